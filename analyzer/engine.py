@@ -1,0 +1,142 @@
+"""The engine: pre-filter, parse, run rules, and turn violations into findings (and fixes).
+
+It owns everything rules must not care about: parsing, positions, fingerprints, snippets and applying
+fixes. Discovery, config, caching and workers live in their own modules and call `analyze_source`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.positions import LazyPositions
+from maingrad.analyzer.report import Finding, ParseError, Severity, fingerprint
+from maingrad.analyzer.rules.base import Fix, Rule, Violation
+
+
+@dataclass
+class FileResult:
+    path: str
+    parsed: bool = False
+    findings: list[Finding] = field(default_factory=list)
+    parse_error: ParseError | None = None
+    # Fixes by finding fingerprint, kept only in-process (not serialized into the report).
+    fixes: dict[str, Fix] = field(default_factory=dict)
+
+
+def needed_rules(source: str, rules: Sequence[Rule]) -> list[Rule]:
+    """The cheap text pre-filter: rules whose needles occur in the source."""
+    return [rule for rule in rules if any(needle in source for needle in rule.needles)]
+
+
+def parse(source: str, path: str) -> cst.Module | ParseError:
+    try:
+        return cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        return ParseError(path=path, message=f"syntax error: {exc.message}", line=exc.raw_line, column=exc.raw_column + 1)
+    except Exception as exc:  # libcst raises a few other types on exotic input; never crash the scan
+        return ParseError(path=path, message=f"{type(exc).__name__}: {exc}")
+
+
+def analyze_source(
+    source: str,
+    path: str,
+    rules: Sequence[Rule],
+    settings: RuleSettings | None = None,
+    severities: dict[str, Severity] | None = None,
+) -> FileResult:
+    result = FileResult(path=path)
+    active = needed_rules(source, rules)
+    if not active:
+        return result
+    parsed = parse(source, path)
+    if isinstance(parsed, ParseError):
+        result.parse_error = parsed
+        return result
+    result.parsed = True
+    ctx = FileContext(path=path, source=source, module=parsed, settings=settings or RuleSettings())
+    collected: list[tuple[Rule, Violation]] = []
+    for rule in active:
+        for violation in rule.check(ctx):
+            collected.append((rule, violation))
+    if collected:
+        result.findings, result.fixes = _to_findings(ctx, collected, severities or {})
+    return result
+
+
+def _to_findings(
+    ctx: FileContext, collected: Iterable[tuple[Rule, Violation]], severities: dict[str, Severity]
+) -> tuple[list[Finding], dict[str, Fix]]:
+    positions = LazyPositions(ctx.module)
+    lines = ctx.source.splitlines()
+    seen: dict[tuple[str, str], int] = {}
+    findings: list[Finding] = []
+    fixes: dict[str, Fix] = {}
+    ordered = sorted(collected, key=lambda rv: (positions[rv[1].node].start.line, positions[rv[1].node].start.column, rv[0].id))
+    for rule, violation in ordered:
+        where = positions[violation.node]
+        context = ctx.code(violation.context_node or violation.node)
+        key = (rule.id, " ".join(context.split()))
+        occurrence = seen.get(key, 0)
+        seen[key] = occurrence + 1
+        fp = fingerprint(rule.id, ctx.path, context, occurrence)
+        snippet = "\n".join(lines[where.start.line - 1 : where.end.line]) if lines else ""
+        findings.append(
+            Finding(
+                rule=rule.id,
+                severity=severities.get(rule.id, rule.severity),
+                path=ctx.path,
+                line=where.start.line,
+                column=where.start.column + 1,
+                end_line=where.end.line,
+                end_column=where.end.column + 1,
+                message=violation.message,
+                fingerprint=fp,
+                fix_available=violation.fix is not None,
+                snippet=snippet,
+            )
+        )
+        if violation.fix is not None:
+            fixes[fp] = violation.fix
+    return findings, fixes
+
+
+def fix_source(
+    source: str,
+    path: str,
+    rules: Sequence[Rule],
+    settings: RuleSettings | None = None,
+    unsafe: bool = False,
+    max_rounds: int = 4,
+) -> str:
+    """Source after applying every (safe, or also unsafe) fix, repeated until nothing changes.
+
+    Unparsable input is returned unchanged. Each round re-parses, so fixes never see stale nodes.
+    """
+    from maingrad.analyzer.fixes import apply_fixes
+
+    current = source
+    for _ in range(max_rounds):
+        active = needed_rules(current, rules)
+        if not active:
+            return current
+        parsed = parse(current, path)
+        if isinstance(parsed, ParseError):
+            return current
+        ctx = FileContext(path=path, source=current, module=parsed, settings=settings or RuleSettings())
+        fixes = [
+            violation.fix
+            for rule in active
+            for violation in rule.check(ctx)
+            if violation.fix is not None and (violation.fix.safe or unsafe)
+        ]
+        if not fixes:
+            return current
+        updated = apply_fixes(parsed, fixes).code
+        if updated == current:
+            return current
+        current = updated
+    return current

@@ -1,0 +1,202 @@
+"""The analyzer's report: the one data model shared with the service (which imports it; never the reverse).
+
+JSON schema version 1 (documented in docs/report-format.md):
+
+    {"version": 1, "tool": {"name": "maingrad", "version": "..."}, "root": ".",
+     "files_scanned": int, "files_parsed": int,
+     "parse_errors": [{"path", "message", "line", "column"}],
+     "findings": [{"rule", "severity", "path", "line", "column", "end_line", "end_column", "message",
+                   "fingerprint", "fix_available", "snippet"}],
+     "rules": [{"id", "name", "severity", "summary", "help_uri"}],
+     "duration_s": float}
+
+Lines and columns are 1-based; `end_column` is exclusive. Paths are relative to the scan root, POSIX style.
+`fingerprint` never depends on line numbers: see `fingerprint()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+REPORT_VERSION = 1
+TOOL_NAME = "maingrad"
+
+
+class Severity(str, Enum):
+    """Ordered from least to most severe; SARIF levels map note/warning/error."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+    @property
+    def rank(self) -> int:
+        return _SEVERITY_RANK[self]
+
+    @property
+    def sarif_level(self) -> str:
+        return {"info": "note", "warning": "warning", "error": "error"}[self.value]
+
+
+_SEVERITY_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    severity: Severity
+    path: str
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+    message: str
+    fingerprint: str
+    fix_available: bool = False
+    snippet: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["severity"] = self.severity.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        return cls(
+            rule=str(data["rule"]),
+            severity=Severity(data["severity"]),
+            path=str(data["path"]),
+            line=int(data["line"]),
+            column=int(data["column"]),
+            end_line=int(data.get("end_line", data["line"])),
+            end_column=int(data.get("end_column", data["column"])),
+            message=str(data["message"]),
+            fingerprint=str(data["fingerprint"]),
+            fix_available=bool(data.get("fix_available", False)),
+            snippet=str(data.get("snippet", "")),
+        )
+
+    @property
+    def sort_key(self) -> tuple[str, int, int, str]:
+        return (self.path, self.line, self.column, self.rule)
+
+
+@dataclass(frozen=True)
+class ParseError:
+    path: str
+    message: str
+    line: int | None = None
+    column: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParseError:
+        return cls(
+            path=str(data["path"]),
+            message=str(data["message"]),
+            line=data.get("line"),
+            column=data.get("column"),
+        )
+
+
+@dataclass(frozen=True)
+class RuleInfo:
+    id: str
+    name: str
+    severity: Severity
+    summary: str
+    help_uri: str
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["severity"] = self.severity.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RuleInfo:
+        return cls(
+            id=str(data["id"]),
+            name=str(data.get("name", data["id"])),
+            severity=Severity(data.get("severity", "warning")),
+            summary=str(data.get("summary", "")),
+            help_uri=str(data.get("help_uri", "")),
+        )
+
+
+@dataclass
+class Report:
+    tool_version: str
+    root: str = "."
+    files_scanned: int = 0
+    files_parsed: int = 0
+    parse_errors: list[ParseError] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    rules: list[RuleInfo] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": REPORT_VERSION,
+            "tool": {"name": TOOL_NAME, "version": self.tool_version},
+            "root": self.root,
+            "files_scanned": self.files_scanned,
+            "files_parsed": self.files_parsed,
+            "parse_errors": [e.to_dict() for e in self.parse_errors],
+            "findings": [f.to_dict() for f in self.findings],
+            "rules": [r.to_dict() for r in self.rules],
+            "duration_s": round(self.duration_s, 6),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        """Parse a version-1 report; raises ValueError/KeyError/TypeError on malformed input."""
+        if not isinstance(data, dict):
+            raise ValueError("report must be a JSON object")
+        version = data.get("version")
+        if version != REPORT_VERSION:
+            raise ValueError(f"unsupported report version {version!r} (expected {REPORT_VERSION})")
+        tool = data.get("tool") or {}
+        if not isinstance(tool, dict) or tool.get("name") != TOOL_NAME:
+            raise ValueError("report.tool.name must be 'maingrad'")
+        return cls(
+            tool_version=str(tool.get("version", "")),
+            root=str(data.get("root", ".")),
+            files_scanned=int(data.get("files_scanned", 0)),
+            files_parsed=int(data.get("files_parsed", 0)),
+            parse_errors=[ParseError.from_dict(e) for e in data.get("parse_errors", [])],
+            findings=[Finding.from_dict(f) for f in data.get("findings", [])],
+            rules=[RuleInfo.from_dict(r) for r in data.get("rules", [])],
+            duration_s=float(data.get("duration_s", 0.0)),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        return cls.from_dict(json.loads(text))
+
+
+_WS = re.compile(r"\s+")
+
+
+def normalize_context(code: str) -> str:
+    """Whitespace-insensitive form of a code context: moving or re-indenting code keeps its fingerprint."""
+    return _WS.sub(" ", code).strip()
+
+
+def fingerprint(rule: str, path: str, context: str, occurrence: int = 0) -> str:
+    """Stable identity of a finding: rule + repo-relative path + normalized code context (+ the index of
+    identical contexts in the same file). Never line numbers, absolute paths or commit SHAs."""
+    digest = hashlib.sha256()
+    for part in (rule, path, normalize_context(context), str(occurrence)):
+        digest.update(part.encode("utf-8"))
+        digest.update(b"\0")
+    return digest.hexdigest()[:32]

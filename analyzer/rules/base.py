@@ -1,0 +1,73 @@
+"""The rule API: one class per rule, with its metadata, docs and VALID/INVALID examples.
+
+Modelled on Fixit/TorchFix: a rule only inspects a parsed file through `FileContext` and yields
+`Violation`s; the engine owns parsing, name resolution, positions, suppressions and fixes; reporters never
+see rules. Every rule's examples are run by tests/analyzer/test_rule_examples.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import libcst as cst
+
+from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.report import Severity
+
+DOCS_BASE_URI = "https://github.com/maingrad/maingrad/blob/main/docs/rules"
+
+
+@dataclass(frozen=True)
+class Example:
+    """A code sample for a rule. For INVALID examples, `line` is the 1-based line the first finding must
+    be reported on and `fixed` (when the rule has a fix) the exact expected source after `maingrad fix`."""
+
+    code: str
+    line: int | None = None
+    fixed: str | None = None
+    config: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A rewrite: replace each key node by its value (identity-based, applied in one libcst transform).
+
+    `safe` fixes are applied by `maingrad fix`; unsafe ones need `--unsafe-fixes`.
+    """
+
+    replacements: Mapping[cst.CSTNode, cst.CSTNode | cst.RemovalSentinel | cst.FlattenSentinel]
+    description: str
+    safe: bool = True
+
+
+@dataclass(frozen=True)
+class Violation:
+    node: cst.CSTNode
+    message: str
+    fix: Fix | None = None
+    # The node whose code forms the fingerprint context (default: `node`). Use a stable enclosing
+    # statement when `node` is tiny (a Name) so that identical names elsewhere do not collide.
+    context_node: cst.CSTNode | None = None
+
+
+class Rule:
+    id: ClassVar[str]
+    name: ClassVar[str]  # kebab-case, e.g. "fused-op-without-main-grad-exposure"
+    severity: ClassVar[Severity]
+    summary: ClassVar[str]  # one line: what it detects
+    # Markdown with the sections "What it does", "Why is this bad?", "Example", "Use instead".
+    docs: ClassVar[str]
+    # The cheap text pre-filter: a file is parsed for this rule only if it contains one of these strings.
+    needles: ClassVar[tuple[str, ...]] = ("main_grad",)
+    fixable: ClassVar[bool] = False
+    VALID: ClassVar[list[Example]] = []
+    INVALID: ClassVar[list[Example]] = []
+
+    def check(self, ctx: FileContext) -> Iterator[Violation]:
+        raise NotImplementedError
+
+    @classmethod
+    def help_uri(cls) -> str:
+        return f"{DOCS_BASE_URI}/{cls.id}.md"

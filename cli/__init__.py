@@ -1,0 +1,1 @@
+"""The `maingrad` command: one entry point that dispatches to the analyzer, hooks and service parts."""

@@ -1,0 +1,5 @@
+import sys
+
+from maingrad.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""maingrad.service: stores analyzer reports and runtime records and answers CI."""
