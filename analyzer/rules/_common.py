@@ -1,0 +1,519 @@
+"""AST helpers shared by the main_grad rules (not a rule module: the registry only loads `mgNNN_*`).
+
+Three questions recur across rules, and answering them the same way everywhere keeps the rules consistent:
+
+* what a condition says about a parameter `R` (`hasattr(R, "get_main_grad")`, `getattr(R, "__fsdp_param__",
+  False)`, `getattr(R, "get_main_grad", None) is None`, `not ...`, `and`/`or`), and which such facts hold on the
+  path to a node (enclosing branches, early exits, asserts, `try/except AttributeError`);
+* whether a statement exposes `R.main_grad` from `R.get_main_grad()` (or through a configured helper);
+* small syntax utilities (string constants, dotted receivers, enclosing functions/classes).
+
+Receivers are compared by their whitespace-normalised source text, so `weight` and `ctx.weight` are different
+parameters and `self.linear_fc1` matches itself wherever it is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import libcst as cst
+from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.names import dotted_name
+
+# Attributes whose presence on a parameter means "Megatron-FSDP parameter: get_main_grad() exists".
+FSDP_MARKERS = frozenset({"get_main_grad", "__fsdp_param__"})
+# Functions that set `param.main_grad` from `param.get_main_grad()` themselves (TE's ops helper).
+BUILTIN_EXPOSURE_FUNCS = frozenset({"get_main_grad_from_param"})
+
+PRESENT = "present"  # the parameter has get_main_grad (a Megatron-FSDP parameter)
+ABSENT = "absent"  # the parameter has no get_main_grad (a DDP / plain parameter)
+CAUGHT = "caught"  # an AttributeError raised here is caught by an enclosing try
+
+
+def norm(code: str) -> str:
+    return " ".join(code.split())
+
+
+def code_of(node: cst.CSTNode) -> str:
+    return norm(cst.Module(body=[]).code_for_node(node))
+
+
+def string_value(node: cst.CSTNode | None) -> str | None:
+    if isinstance(node, cst.SimpleString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    return None
+
+
+def call_name(call: cst.Call) -> str | None:
+    """Dotted text of the callee (`fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`), else None."""
+    return dotted_name(call.func)
+
+
+def last_name(call: cst.Call) -> str | None:
+    if isinstance(call.func, cst.Name):
+        return call.func.value
+    if isinstance(call.func, cst.Attribute):
+        return call.func.attr.value
+    return None
+
+
+def positional(call: cst.Call) -> list[cst.Arg]:
+    return [a for a in call.args if a.keyword is None and not a.star]
+
+
+def keyword(call: cst.Call, name: str) -> cst.Arg | None:
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value == name:
+            return arg
+    return None
+
+
+def attr_call(call: cst.Call, name: str, nargs: int | None = None) -> tuple[cst.BaseExpression, str] | None:
+    """For `getattr(R, "name"...)`/`hasattr(R, "name")`: (R, name), when the callee is `name`."""
+    if not isinstance(call.func, cst.Name) or call.func.value != name:
+        return None
+    args = positional(call)
+    if len(args) < 2 or (nargs is not None and len(args) != nargs) or len(args) > 3:
+        return None
+    attr = string_value(args[1].value)
+    if attr is None:
+        return None
+    return args[0].value, attr
+
+
+def getattr_of(node: cst.CSTNode) -> tuple[cst.BaseExpression, str] | None:
+    """`getattr(R, "attr")` or `getattr(R, "attr", default)` -> (R, attr)."""
+    return attr_call(node, "getattr") if isinstance(node, cst.Call) else None
+
+
+def hasattr_of(node: cst.CSTNode) -> tuple[cst.BaseExpression, str] | None:
+    return attr_call(node, "hasattr", 2) if isinstance(node, cst.Call) else None
+
+
+def is_simple_chain(node: cst.CSTNode) -> bool:
+    """`a`, `a.b.c`: evaluating it twice has no side effect worth caring about."""
+    return dotted_name(node) is not None
+
+
+def main_grad_receiver(node: cst.CSTNode) -> cst.BaseExpression | None:
+    """R for `R.main_grad` (an attribute load), else None."""
+    if isinstance(node, cst.Attribute) and node.attr.value == "main_grad":
+        return node.value
+    return None
+
+
+def is_none(node: cst.CSTNode) -> bool:
+    return isinstance(node, cst.Name) and node.value == "None"
+
+
+def is_false_constant(node: cst.CSTNode) -> bool:
+    """Literals that are provably falsy: False, None, 0."""
+    if isinstance(node, cst.Name) and node.value in ("False", "None"):
+        return True
+    return isinstance(node, cst.Integer) and node.evaluated_value == 0
+
+
+# Scopes ----------------------------------------------------------------------------------------------
+FunctionLike = (cst.FunctionDef, cst.Lambda)
+
+
+def enclosing_function(ctx: FileContext, node: cst.CSTNode) -> cst.FunctionDef | None:
+    for ancestor in ctx.ancestors(node):
+        if isinstance(ancestor, cst.FunctionDef):
+            return ancestor
+        if isinstance(ancestor, cst.Lambda):
+            return None
+    return None
+
+
+def enclosing_class(ctx: FileContext, node: cst.CSTNode) -> cst.ClassDef | None:
+    found = ctx.enclosing(node, cst.ClassDef)
+    return found if isinstance(found, cst.ClassDef) else None
+
+
+def first_param(func: cst.FunctionDef) -> str | None:
+    params = list(func.params.posonly_params) + list(func.params.params)
+    return params[0].name.value if params else None
+
+
+class _Walker(cst.CSTVisitor):
+    """Collects nodes of the given types, not descending into nested functions/classes/lambdas."""
+
+    def __init__(self, kinds: tuple[type[cst.CSTNode], ...], root: cst.CSTNode) -> None:
+        super().__init__()
+        self.kinds = kinds
+        self.root = root
+        self.found: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, self.kinds):
+            self.found.append(node)
+        return node is self.root or not isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda))
+
+
+def own_nodes(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
+    """Nodes of `kinds` inside `root`, excluding those in nested function/class/lambda bodies."""
+    walker = _Walker(kinds, root)
+    root.visit(walker)
+    return walker.found
+
+
+def all_nodes(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
+    found: list[cst.CSTNode] = []
+
+    class _All(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, kinds):
+                found.append(node)
+            return True
+
+    root.visit(_All())
+    return found
+
+
+def local_bindings(func: cst.CSTNode | None) -> dict[str, list[cst.BaseExpression]]:
+    """name -> values assigned to it by plain `name = value` in `func` (nested scopes excluded).
+
+    Names bound in any other way (parameters, for-targets, with-targets, augmented assignment) get a
+    `None`-free empty marker by being absent; callers must treat a name with no entry as unknown.
+    """
+    if func is None:
+        return {}
+    bindings: dict[str, list[cst.BaseExpression]] = {}
+    other: set[str] = set()
+    for node in own_nodes(
+        func, cst.Assign, cst.AugAssign, cst.AnnAssign, cst.For, cst.WithItem, cst.NamedExpr
+    ):
+        if isinstance(node, cst.Assign):
+            for target in node.targets:
+                if isinstance(target.target, cst.Name):
+                    bindings.setdefault(target.target.value, []).append(node.value)
+                else:
+                    other.update(n.value for n in all_nodes(target.target, cst.Name))
+        elif isinstance(node, cst.AnnAssign) and isinstance(node.target, cst.Name) and node.value is not None:
+            bindings.setdefault(node.target.value, []).append(node.value)
+        elif isinstance(node, (cst.AugAssign,)) and isinstance(node.target, cst.Name):
+            other.add(node.target.value)
+        elif isinstance(node, cst.For):
+            other.update(n.value for n in all_nodes(node.target, cst.Name))
+        elif isinstance(node, cst.WithItem) and node.asname is not None:
+            other.update(n.value for n in all_nodes(node.asname.name, cst.Name))
+        elif isinstance(node, cst.NamedExpr) and isinstance(node.target, cst.Name):
+            other.add(node.target.value)
+    if isinstance(func, cst.FunctionDef):
+        for param in _all_params(func.params):
+            other.add(param.name.value)
+    return {name: values for name, values in bindings.items() if name not in other}
+
+
+def _all_params(params: cst.Parameters) -> Iterator[cst.Param]:
+    yield from params.posonly_params
+    yield from params.params
+    yield from params.kwonly_params
+    if isinstance(params.star_arg, cst.Param):
+        yield params.star_arg
+    if params.star_kwarg is not None:
+        yield params.star_kwarg
+
+
+def single_binding(
+    bindings: dict[str, list[cst.BaseExpression]], node: cst.CSTNode
+) -> cst.BaseExpression | None:
+    """The one value a local Name is bound to, else None."""
+    if isinstance(node, cst.Name):
+        values = bindings.get(node.value)
+        if values and len(values) == 1:
+            return values[0]
+    return None
+
+
+# Conditions about a receiver -------------------------------------------------------------------------
+@dataclass
+class Condition:
+    """Decides what a boolean expression being true implies about receiver `key` (normalised code)."""
+
+    key: str
+    bindings: dict[str, list[cst.BaseExpression]]
+    markers: frozenset[str] = FSDP_MARKERS
+    _depth: int = 0
+
+    def _is_receiver(self, node: cst.CSTNode) -> bool:
+        return code_of(node) == self.key
+
+    def _marker_probe(self, node: cst.CSTNode) -> bool:
+        """`getattr(R, marker[, default])`, `R.__fsdp_param__`, or a local bound to one of them."""
+        got = getattr_of(node)
+        if got is not None:
+            return got[1] in self.markers and self._is_receiver(got[0])
+        if isinstance(node, cst.Attribute) and node.attr.value == "__fsdp_param__":
+            return self._is_receiver(node.value)
+        if isinstance(node, cst.Attribute) and node.attr.value == "get_main_grad":
+            return self._is_receiver(node.value)
+        bound = single_binding(self.bindings, node)
+        return bound is not None and self._depth < 4 and self._child()._marker_probe(bound)
+
+    def _child(self) -> Condition:
+        return Condition(self.key, self.bindings, self.markers, self._depth + 1)
+
+    def implies(self, cond: cst.BaseExpression, truth: bool = True) -> str | None:
+        """PRESENT/ABSENT if `cond` evaluating to `truth` implies it; None when it says nothing."""
+        if self._depth > 8:
+            return None
+        if isinstance(cond, cst.UnaryOperation) and isinstance(cond.operator, cst.Not):
+            return self.implies(cond.expression, not truth)
+        if isinstance(cond, cst.BooleanOperation):
+            is_and = isinstance(cond.operator, cst.And)
+            left = self.implies(cond.left, truth)
+            right = self.implies(cond.right, truth)
+            if is_and == truth:  # `a and b` true, or `a or b` false: both sides hold
+                return left or right
+            return left if left is not None and left == right else None
+        if isinstance(cond, cst.Call):
+            has = hasattr_of(cond)
+            if has is not None:
+                if has[1] in self.markers and self._is_receiver(has[0]):
+                    return PRESENT if truth else ABSENT
+                return None
+            if isinstance(cond.func, cst.Name) and cond.func.value in ("callable", "bool"):
+                args = positional(cond)
+                if len(args) == 1 and self._marker_probe(args[0].value):
+                    return PRESENT if truth else ABSENT
+                return None
+        if isinstance(cond, cst.Comparison) and len(cond.comparisons) == 1:
+            target = cond.comparisons[0]
+            if is_none(target.comparator) and self._marker_probe(cond.left):
+                if isinstance(target.operator, cst.IsNot):
+                    return PRESENT if truth else ABSENT
+                if isinstance(target.operator, cst.Is):
+                    return ABSENT if truth else PRESENT
+            return None
+        if self._marker_probe(cond):  # a truthy probe: getattr(R, "get_main_grad", None), R.__fsdp_param__
+            return PRESENT if truth else None
+        bound = single_binding(self.bindings, cond)
+        if bound is not None:
+            return self._child().implies(bound, truth)
+        return None
+
+
+def _exits(body: cst.BaseSuite) -> bool:
+    """True when a suite always leaves the current block (return/raise/continue/break as last statement)."""
+    exits = (cst.Return, cst.Raise, cst.Continue, cst.Break)
+    if isinstance(body, cst.SimpleStatementSuite):
+        return bool(body.body) and isinstance(body.body[-1], exits)
+    if isinstance(body, cst.IndentedBlock) and body.body:
+        last = body.body[-1]
+        if isinstance(last, cst.SimpleStatementLine):
+            return bool(last.body) and isinstance(last.body[-1], exits)
+        if isinstance(last, cst.If) and last.orelse is not None:
+            return _exits(last.body) and _orelse_exits(last.orelse)
+    return False
+
+
+def _orelse_exits(orelse: cst.If | cst.Else) -> bool:
+    if isinstance(orelse, cst.Else):
+        return _exits(orelse.body)
+    return _exits(orelse.body) and orelse.orelse is not None and _orelse_exits(orelse.orelse)
+
+
+def _catches_attribute_error(handler: cst.ExceptHandler) -> bool:
+    if handler.type is None:
+        return True
+    names = [
+        dotted_name(n)
+        for n in (
+            [handler.type]
+            if not isinstance(handler.type, cst.Tuple)
+            else [e.value for e in handler.type.elements]
+        )
+    ]
+    return any(n in ("AttributeError", "Exception", "BaseException") for n in names)
+
+
+def path_facts(ctx: FileContext, node: cst.CSTNode, receiver: cst.CSTNode) -> set[str]:
+    """Facts about `receiver` that hold whenever `node` executes, from the innermost function up.
+
+    Looks at enclosing `if`/`elif`/`else`/`while`/ternaries/`and`/`or`, earlier statements of every
+    enclosing block (`if not hasattr(R, "get_main_grad"): return`, `assert ...`) and enclosing
+    `try: ... except AttributeError`.
+    """
+    func = enclosing_function(ctx, node)
+    cond = Condition(code_of(receiver), local_bindings(func))
+    facts: set[str] = set()
+
+    def add(fact: str | None) -> None:
+        if fact is not None:
+            facts.add(fact)
+
+    child: cst.CSTNode = node
+    for parent in ctx.ancestors(node):
+        if isinstance(parent, cst.If):
+            if child is parent.body:
+                add(cond.implies(parent.test, True))
+            elif child is parent.orelse:
+                add(cond.implies(parent.test, False))
+        elif isinstance(parent, cst.Else):
+            pass  # handled when we reach the If/While/For/Try owning it
+        elif isinstance(parent, cst.While) and child is parent.body:
+            add(cond.implies(parent.test, True))
+        elif isinstance(parent, cst.IfExp):
+            if child is parent.body:
+                add(cond.implies(parent.test, True))
+            elif child is parent.orelse:
+                add(cond.implies(parent.test, False))
+        elif isinstance(parent, cst.BooleanOperation) and child is parent.right:
+            add(cond.implies(parent.left, isinstance(parent.operator, cst.And)))
+        elif isinstance(parent, (cst.Try, cst.TryStar)) and child is parent.body:
+            if any(_catches_attribute_error(h) for h in parent.handlers):
+                facts.add(CAUGHT)
+        elif isinstance(parent, (cst.IndentedBlock, cst.Module)):
+            for stmt in parent.body:
+                if stmt is child:
+                    break
+                add(_statement_fact(stmt, cond))
+        if parent is func:
+            break
+        child = parent
+    return facts
+
+
+def _statement_fact(stmt: cst.BaseStatement, cond: Condition) -> str | None:
+    """What having executed `stmt` (and fallen through) implies about the receiver."""
+    if isinstance(stmt, cst.If):
+        if stmt.orelse is None and _exits(stmt.body):
+            return cond.implies(stmt.test, False)
+        if isinstance(stmt.orelse, cst.Else) and _exits(stmt.orelse.body) and not _exits(stmt.body):
+            return cond.implies(stmt.test, True)
+        return None
+    if isinstance(stmt, cst.SimpleStatementLine):
+        for small in stmt.body:
+            if isinstance(small, cst.Assert):
+                fact = cond.implies(small.test, True)
+                if fact is not None:
+                    return fact
+    return None
+
+
+# Exposure ---------------------------------------------------------------------------------------------
+def _is_getter_call(
+    call: cst.Call, bindings: dict[str, list[cst.BaseExpression]], helpers: frozenset[str]
+) -> bool:
+    """`R.get_main_grad()`, `get_main_grad()` bound from `getattr(R, "get_main_grad"...)`, or a known helper."""
+    func = call.func
+    if isinstance(func, cst.Attribute) and func.attr.value == "get_main_grad":
+        return True
+    if isinstance(func, cst.Name):
+        if func.value == "get_main_grad" or func.value in BUILTIN_EXPOSURE_FUNCS or func.value in helpers:
+            return True
+        bound = single_binding(bindings, func)
+        if bound is not None:
+            got = getattr_of(bound)
+            if got is not None and got[1] == "get_main_grad":
+                return True
+            if isinstance(bound, cst.Attribute) and bound.attr.value == "get_main_grad":
+                return True
+    name = call_name(call)
+    return name is not None and (name in helpers or name.rsplit(".", 1)[-1] in BUILTIN_EXPOSURE_FUNCS)
+
+
+def exposure_receiver(
+    stmt: cst.CSTNode, bindings: dict[str, list[cst.BaseExpression]], helpers: frozenset[str] = frozenset()
+) -> str | None:
+    """Normalised receiver R when `stmt` is `R.main_grad = <... get_main_grad() ...>`, else None."""
+    if not isinstance(stmt, (cst.Assign, cst.AnnAssign)):
+        return None
+    targets = [t.target for t in stmt.targets] if isinstance(stmt, cst.Assign) else [stmt.target]
+    value = stmt.value
+    if value is None:
+        return None
+    calls = [value] if isinstance(value, cst.Call) else []
+    calls += [c for c in all_nodes(value, cst.Call) if c is not value]
+    if not any(_is_getter_call(c, bindings, helpers) for c in calls if isinstance(c, cst.Call)):
+        return None
+    for target in targets:
+        receiver = main_grad_receiver(target)
+        if receiver is not None:
+            return code_of(receiver)
+    return None
+
+
+def is_helper_call(call: cst.Call, helpers: frozenset[str]) -> bool:
+    """A call to a configured exposure helper or to TE's `get_main_grad_from_param`."""
+    name = call_name(call)
+    if name is None:
+        return False
+    tail = name.rsplit(".", 1)[-1]
+    return name in helpers or tail in helpers or tail in BUILTIN_EXPOSURE_FUNCS
+
+
+def function_exposes(func: cst.FunctionDef, helpers: frozenset[str]) -> bool:
+    """Whether the function body itself (nested defs excluded) exposes some `main_grad`."""
+    bindings = local_bindings(func)
+    for node in own_nodes(func.body, cst.Assign, cst.AnnAssign, cst.Call):
+        if isinstance(node, cst.Call):
+            if is_helper_call(node, helpers):
+                return True
+        elif exposure_receiver(node, bindings, helpers) is not None:
+            return True
+    return False
+
+
+def is_before(ctx: FileContext, first: cst.CSTNode, second: cst.CSTNode) -> bool:
+    """Whether `first` starts before `second` in source order (same tree)."""
+    return _order(ctx, first) < _order(ctx, second)
+
+
+def _order(ctx: FileContext, node: cst.CSTNode) -> tuple[int, ...]:
+    """Path of child indices from the module: a total source order for nodes of one tree."""
+    path: list[int] = []
+    child = node
+    for parent in ctx.ancestors(node):
+        index = next(i for i, c in enumerate(parent.children) if c is child)
+        path.append(index)
+        child = parent
+    return tuple(reversed(path))
+
+
+def mutually_exclusive(ctx: FileContext, a: cst.CSTNode, b: cst.CSTNode) -> bool:
+    """True when `a` and `b` sit in different branches of one `if`/ternary (never both run)."""
+    chain_a = [a, *ctx.ancestors(a)]
+    ids_b = {id(n): n for n in [b, *ctx.ancestors(b)]}
+    for index, node in enumerate(chain_a):
+        if id(node) in ids_b:
+            lca = node
+            child_a = chain_a[index - 1] if index else None
+            chain_b = [b, *ctx.ancestors(b)]
+            pos = next(i for i, n in enumerate(chain_b) if n is lca)
+            child_b = chain_b[pos - 1] if pos else None
+            if isinstance(lca, (cst.If, cst.IfExp)) and child_a is not None and child_b is not None:
+                branches = (lca.body, lca.orelse)
+                return child_a is not child_b and child_a in branches and child_b in branches
+            return isinstance(lca, (cst.Try, cst.TryStar)) and child_a is not child_b
+    return False
+
+
+def statement_of(ctx: FileContext, node: cst.CSTNode) -> cst.CSTNode | None:
+    """The innermost statement (simple statement line or compound statement) holding `node`."""
+    for ancestor in [node, *ctx.ancestors(node)]:
+        if isinstance(ancestor, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            return ancestor
+    return None
+
+
+def in_fsdp_only_code(ctx: FileContext, node: cst.CSTNode) -> bool:
+    """Code that only ever handles Megatron-FSDP parameters: an `fsdp` package/module, or an enclosing
+    class or function whose name says FSDP (`MegatronFSDP`, `_fsdp_grad_acc`)."""
+    parts = ctx.path.replace("\\", "/").lower().split("/")
+    if any("fsdp" in part for part in parts):
+        return True
+    for ancestor in ctx.ancestors(node):
+        if isinstance(ancestor, (cst.ClassDef, cst.FunctionDef)):
+            name = ancestor.name.value.lower()
+            if "fsdp" in name or "fullyshard" in name:
+                return True
+    return False
+
+
+def names_in(nodes: Sequence[cst.CSTNode]) -> set[str]:
+    return {n.value for node in nodes for n in all_nodes(node, cst.Name)}
