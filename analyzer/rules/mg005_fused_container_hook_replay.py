@@ -1,0 +1,1007 @@
+"""MG005: a TE op-fuser container that adopts other modules' parameters but never replays their
+pre-forward hooks.
+
+Data-parallel wrappers hook the modules that own parameters (Megatron-FSDP unshards in a pre-forward hook,
+Megatron DDP with `overlap_param_gather` waits for the all-gather in one). A fused container whose ops adopt
+`self.linear_fc1.weight` runs those weights without ever calling `linear_fc1.forward`, so unless a
+pre-forward hook on the container replays `linear_fc1._forward_pre_hooks`, the fused ops read weights that
+were never gathered.
+
+The analysis is per function, in source order: it tracks which local op values adopt a foreign parameter
+(`op.weight = self.sub.weight`, `setattr(op, "weight0", getattr(self.sub, "weight0"))`,
+`op.register_parameter(n, sub.get_parameter(n))`, also through same-file helpers), which of them are added
+to a container, and whether a replaying hook is registered on that container (directly, through a
+same-file helper, or later on the attribute the container is stored in). Whatever cannot be resolved
+(a hook or helper imported from elsewhere) is assumed to replay: precision before recall.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import libcst as cst
+from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.names import dotted_name
+from maingrad.analyzer.report import Severity
+from maingrad.analyzer.rules.base import Example, Rule, Violation
+
+_CONTAINERS = (
+    "transformer_engine.pytorch.ops.Sequential",
+    "transformer_engine.pytorch.ops.fuser.OperationFuser",
+)
+_HOOKABLE = "transformer_engine.pytorch.ops.Sequential"  # OperationFuser is not a Module: no hooks
+_MEMBER_METHODS = {"append": 0, "insert": 1, "add_module": 1, "extend": 0}
+_PARAM_LIKE = re.compile(r"(weight|bias)", re.IGNORECASE)
+_REPLAY_TEXT = "_forward_pre_hooks"
+# Callees that receive a container without being able to register hooks on it.
+_INNOCUOUS = frozenset(
+    {"len", "isinstance", "id", "type", "print", "repr", "str", "tuple", "list", "iter", "hasattr", "getattr"}
+)
+_MAX_DEPTH = 4
+
+
+def _walk(node: cst.CSTNode, *, root: bool = True) -> Iterator[cst.CSTNode]:
+    """Pre-order, source-order walk that does not enter nested functions, classes or lambdas."""
+    if not root and isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+        return
+    yield node
+    for child in node.children:
+        yield from _walk(child, root=False)
+
+
+def _walk_all(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    """Pre-order walk that includes nested functions (for "does this function do X anywhere")."""
+    yield node
+    for child in node.children:
+        yield from _walk_all(child)
+
+
+def _strip_subscripts(node: cst.BaseExpression) -> cst.BaseExpression:
+    while isinstance(node, cst.Subscript):
+        node = node.value
+    return node
+
+
+def _string_text(node: cst.BaseExpression) -> str | None:
+    """Literal text of a string or the literal parts of an f-string."""
+    if isinstance(node, cst.SimpleString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    if isinstance(node, cst.FormattedString):
+        return "".join(p.value for p in node.parts if isinstance(p, cst.FormattedStringText))
+    if isinstance(node, cst.ConcatenatedString):
+        left, right = _string_text(node.left), _string_text(node.right)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _first_param(func: cst.FunctionDef) -> str | None:
+    params = [*func.params.posonly_params, *func.params.params]
+    return params[0].name.value if params else None
+
+
+def _param_names(func: cst.FunctionDef) -> list[str]:
+    return [p.name.value for p in (*func.params.posonly_params, *func.params.params)]
+
+
+def _is_staticmethod(func: cst.FunctionDef) -> bool:
+    return any(dotted_name(d.decorator) == "staticmethod" for d in func.decorators)
+
+
+@dataclass
+class _FileIndex:
+    """Functions and classes of one file, for resolving `self.m(...)`, nested helpers and base classes."""
+
+    ctx: FileContext
+    owner: dict[cst.FunctionDef, cst.ClassDef | None] = field(default_factory=dict)
+    enclosing: dict[cst.FunctionDef, cst.FunctionDef | None] = field(default_factory=dict)
+    classes: dict[str, list[cst.ClassDef]] = field(default_factory=dict)
+    module_funcs: dict[str, list[cst.FunctionDef]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, ctx: FileContext) -> _FileIndex:
+        index = cls(ctx)
+        index._collect(ctx.module, None, None)
+        return index
+
+    def _collect(self, node: cst.CSTNode, klass: cst.ClassDef | None, func: cst.FunctionDef | None) -> None:
+        for child in node.children:
+            if isinstance(child, cst.FunctionDef):
+                self.owner[child] = klass if func is None else None
+                self.enclosing[child] = func
+                if klass is None and func is None:
+                    self.module_funcs.setdefault(child.name.value, []).append(child)
+                self._collect(child, None, child)
+            elif isinstance(child, cst.ClassDef):
+                self.classes.setdefault(child.name.value, []).append(child)
+                self._collect(child, child, None)
+            else:
+                self._collect(child, klass, func)
+
+    # Classes ---------------------------------------------------------------------------------------------
+    def method_class(self, func: cst.FunctionDef) -> tuple[cst.ClassDef | None, cst.FunctionDef | None]:
+        """The class of the method `func` is (or is nested in), and that method."""
+        current: cst.FunctionDef | None = func
+        while current is not None:
+            klass = self.owner.get(current)
+            if klass is not None:
+                return klass, current
+            current = self.enclosing.get(current)
+        return None, None
+
+    def hierarchy(self, klass: cst.ClassDef) -> list[cst.ClassDef]:
+        """The class, its same-file bases (transitively) and same-file subclasses (transitively)."""
+        seen: list[cst.ClassDef] = []
+        todo = [klass]
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.append(current)
+            for base in current.bases:
+                name = dotted_name(base.value)
+                if name:
+                    todo.extend(self.classes.get(name.rsplit(".", 1)[-1], []))
+            for candidates in self.classes.values():
+                for other in candidates:
+                    if any(
+                        (dotted_name(b.value) or "").rsplit(".", 1)[-1] == current.name.value
+                        for b in other.bases
+                    ):
+                        todo.append(other)
+        return seen
+
+    def methods(self, klass: cst.ClassDef, name: str) -> list[cst.FunctionDef]:
+        found = []
+        for member in self.hierarchy(klass):
+            for stmt in member.body.body:
+                if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
+                    found.append(stmt)
+        return found
+
+    def class_functions(self, klass: cst.ClassDef) -> list[cst.FunctionDef]:
+        return [f for f, k in self.owner.items() if k is not None and k in self.hierarchy(klass)]
+
+    # Call resolution -------------------------------------------------------------------------------------
+    def resolve(
+        self, func_expr: cst.BaseExpression, where: cst.FunctionDef
+    ) -> tuple[list[cst.FunctionDef], int]:
+        """Same-file functions a callee expression may name, and how many leading parameters the call
+        binds implicitly (1 for `self.method`). Empty when unresolvable."""
+        if isinstance(func_expr, cst.Name):
+            name = func_expr.value
+            scope: cst.FunctionDef | None = where
+            while scope is not None:
+                nested = [f for f, outer in self.enclosing.items() if outer is scope and f.name.value == name]
+                if nested:
+                    return nested, 0
+                scope = self.enclosing.get(scope)
+            return self.module_funcs.get(name, []), 0
+        if isinstance(func_expr, cst.Attribute):
+            klass, method = self.method_class(where)
+            if klass is None or method is None:
+                return [], 0
+            receiver = func_expr.value
+            self_name = _first_param(method)
+            is_self = isinstance(receiver, cst.Name) and receiver.value in {self_name, "cls"}
+            is_super = isinstance(receiver, cst.Call) and dotted_name(receiver.func) == "super"
+            if is_self or is_super:
+                found = self.methods(klass, func_expr.attr.value)
+                return found, 0
+        return [], 0
+
+
+def _bound_offset(callee: cst.FunctionDef, index: _FileIndex, via_attribute: bool) -> int:
+    if via_attribute and index.owner.get(callee) is not None and not _is_staticmethod(callee):
+        return 1
+    return 0
+
+
+def _callee_param_for(call: cst.Call, callee: cst.FunctionDef, offset: int, matches) -> list[str]:
+    """Names of `callee`'s parameters bound to arguments of `call` for which `matches(arg)` holds."""
+    names = _param_names(callee)
+    bound: list[str] = []
+    position = offset
+    for arg in call.args:
+        if arg.star:
+            continue
+        if arg.keyword is not None:
+            if matches(arg.value):
+                bound.append(arg.keyword.value)
+            continue
+        if matches(arg.value) and position < len(names):
+            bound.append(names[position])
+        position += 1
+    return bound
+
+
+@dataclass
+class _Container:
+    name: str
+    call: cst.Call
+    statement: cst.CSTNode
+    hookable: bool
+    members: list[tuple[str, int]] = field(default_factory=list)
+    replayed: bool = False  # a replaying (or unresolvable) hook is registered on it
+    in_tree: bool = False  # assigned straight to a module attribute: wrappers see and hook it
+    stores: list[str] = field(default_factory=list)  # attribute chains it is stored under
+    returned: bool = False
+
+
+class _Analysis:
+    """Everything MG005 needs about one file."""
+
+    def __init__(self, ctx: FileContext) -> None:
+        self.ctx = ctx
+        self.index = _FileIndex.build(ctx)
+        self._foreign_cache: dict[cst.FunctionDef, set[str]] = {}
+
+    # Foreign parameters ----------------------------------------------------------------------------------
+    def _self_name(self, func: cst.FunctionDef) -> str | None:
+        _, method = self.index.method_class(func)
+        return _first_param(method) if method is not None else None
+
+    def foreign_locals(self, func: cst.FunctionDef) -> set[str]:
+        """Local names assigned a parameter of another module somewhere in `func` (flow-insensitive)."""
+        cached = self._foreign_cache.get(func)
+        if cached is not None:
+            return cached
+        names: set[str] = set()
+        self._foreign_cache[func] = names
+        for _ in range(2):
+            for node in _walk(func.body):
+                if isinstance(node, cst.Assign) and len(node.targets) == 1:
+                    target = node.targets[0].target
+                    if isinstance(target, cst.Name) and self.is_foreign(
+                        node.value, func, names, param_name=True
+                    ):
+                        names.add(target.value)
+        return names
+
+    def is_foreign(
+        self,
+        value: cst.BaseExpression,
+        func: cst.FunctionDef,
+        local: set[str] | None = None,
+        *,
+        param_name: bool,
+    ) -> bool:
+        """Does `value` evaluate to a parameter owned by another module than the one running `func`?
+
+        `param_name`: the name it is stored under already looks like a parameter (weight/bias), so a plain
+        attribute chain counts; otherwise only `get_parameter(...)`/`getattr(m, "weight...")` do.
+        """
+        local = self.foreign_locals(func) if local is None else local
+        self_name = self._self_name(func)
+        if isinstance(value, cst.IfExp):
+            return self.is_foreign(value.body, func, local, param_name=param_name) or self.is_foreign(
+                value.orelse, func, local, param_name=param_name
+            )
+        if isinstance(value, cst.Name):
+            return value.value in local
+        if isinstance(value, cst.Call):
+            func_name = dotted_name(value.func)
+            if isinstance(value.func, cst.Attribute) and value.func.attr.value == "get_parameter":
+                return self._foreign_owner(value.func.value, self_name)
+            if func_name == "getattr" and len(value.args) >= 2:
+                name = _string_text(value.args[1].value)
+                return bool(name and _PARAM_LIKE.search(name)) and self._foreign_owner(
+                    value.args[0].value, self_name
+                )
+            return False
+        dotted = dotted_name(value)
+        if dotted is None or not param_name:
+            return False
+        parts = dotted.split(".")
+        if len(parts) < 2 or not _PARAM_LIKE.search(parts[-1]):
+            return False
+        if parts[0] in self.ctx.names.aliases:  # an imported module's attribute, not a parameter
+            return False
+        return len(parts) >= 3 if parts[0] == self_name else True
+
+    def _foreign_owner(self, owner: cst.BaseExpression, self_name: str | None) -> bool:
+        """`owner` names a module other than the running one (`self.sub`, a `linear` argument)."""
+        if isinstance(owner, cst.Name):
+            return owner.value != self_name and owner.value not in self.ctx.names.aliases
+        dotted = dotted_name(_strip_subscripts(owner))
+        return dotted is not None
+
+    def adoption_target(self, node: cst.CSTNode, func: cst.FunctionDef) -> str | None:
+        """The local name that adopts a foreign parameter in statement/call `node`, if it does."""
+        if isinstance(node, (cst.Assign, cst.AnnAssign)):
+            targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+            value = node.value
+            if value is None:
+                return None
+            for target in targets:
+                if isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name):
+                    param_like = bool(_PARAM_LIKE.search(target.attr.value))
+                    if self.is_foreign(value, func, param_name=param_like):
+                        return target.value.value
+            return None
+        if isinstance(node, cst.Call):
+            args = [a for a in node.args if not a.star]
+            if dotted_name(node.func) == "setattr" and len(args) >= 3 and isinstance(args[0].value, cst.Name):
+                name = _string_text(args[1].value)
+                param_like = bool(name and _PARAM_LIKE.search(name))
+                if self.is_foreign(args[2].value, func, param_name=param_like):
+                    return args[0].value.value
+            if (
+                isinstance(node.func, cst.Attribute)
+                and node.func.attr.value == "register_parameter"
+                and isinstance(node.func.value, cst.Name)
+                and len(args) >= 2
+                and self.is_foreign(args[1].value, func, param_name=True)
+            ):
+                return node.func.value.value
+        return None
+
+    def adopts_into(self, func: cst.FunctionDef, param: str, depth: int = 0) -> bool:
+        """Does `func` make its parameter `param` adopt a foreign parameter (directly or via helpers)?"""
+        if depth > _MAX_DEPTH:
+            return False
+        for node in _walk(func.body):
+            if self.adoption_target(node, func) == param:
+                return True
+            if isinstance(node, cst.Call) and self._passes_to_adopting_helper(node, func, param, depth):
+                return True
+        return False
+
+    def _passes_to_adopting_helper(
+        self, call: cst.Call, func: cst.FunctionDef, name: str, depth: int
+    ) -> bool:
+        if not any(isinstance(a.value, cst.Name) and a.value.value == name for a in call.args):
+            return False
+        callees, _ = self.index.resolve(call.func, func)
+        for callee in callees:
+            offset = _bound_offset(callee, self.index, isinstance(call.func, cst.Attribute))
+            params = _callee_param_for(
+                call, callee, offset, lambda v: isinstance(v, cst.Name) and v.value == name
+            )
+            if any(self.adopts_into(callee, p, depth + 1) for p in params):
+                return True
+        return False
+
+    # Hook replay -----------------------------------------------------------------------------------------
+    def function_replays(self, func: cst.FunctionDef, depth: int = 0) -> bool:
+        """Does the hook function `func` call submodules' `_forward_pre_hooks` (or plausibly so)?"""
+        if depth > _MAX_DEPTH:
+            return False
+        if _REPLAY_TEXT in self.ctx.code(func):
+            return True
+        outer = self.index.enclosing.get(func)
+        while outer is not None:  # a closure over hooks collected by the function that defines it
+            if _REPLAY_TEXT in self.ctx.code(outer):
+                return True
+            outer = self.index.enclosing.get(outer)
+        for node in _walk_all(func.body):
+            if not isinstance(node, cst.Call):
+                continue
+            callees, _ = self.index.resolve(node.func, func)
+            if callees:
+                if any(self.function_replays(c, depth + 1) for c in callees):
+                    return True
+            else:
+                name = dotted_name(node.func) or ""
+                if "hook" in name.rsplit(".", 1)[-1].lower():
+                    return True
+        return False
+
+    def hook_replays(self, hook: cst.BaseExpression, where: cst.FunctionDef, depth: int = 0) -> bool:
+        """Does registering `hook` (an expression in `where`) replay submodule hooks? Unknown -> True."""
+        if depth > _MAX_DEPTH:
+            return True
+        if isinstance(hook, cst.Lambda):
+            code = self.ctx.code(hook)
+            return _REPLAY_TEXT in code or "hook" in code.split(":", 1)[-1]
+        if isinstance(hook, cst.Call):
+            name = dotted_name(hook.func) or ""
+            if name.rsplit(".", 1)[-1] == "partial" and hook.args:
+                return self.hook_replays(hook.args[0].value, where, depth + 1)
+            callees, _ = self.index.resolve(hook.func, where)
+            return any(self.function_replays(c) for c in callees) if callees else True
+        if isinstance(hook, (cst.Name, cst.Attribute)):
+            callees, _ = self.index.resolve(hook, where)
+            if callees:
+                return any(self.function_replays(c) for c in callees)
+            if isinstance(hook, cst.Name):
+                for node in _walk(where.body):
+                    if (
+                        isinstance(node, cst.Assign)
+                        and len(node.targets) == 1
+                        and isinstance(node.targets[0].target, cst.Name)
+                        and node.targets[0].target.value == hook.value
+                    ):
+                        return self.hook_replays(node.value, where, depth + 1)
+            return True
+        return True
+
+    def registers_replay(self, func: cst.FunctionDef, matches, depth: int = 0) -> bool:
+        """Does `func` register a replaying pre-forward hook on a value for which `matches(expr)` holds, or
+        hand such a value to a callee that may (unresolvable callees count as "may")?"""
+        if depth > _MAX_DEPTH:
+            return True
+        aliases: set[str] = set()
+        for node in _walk_all(func.body):
+            if isinstance(node, cst.Assign) and matches(_strip_subscripts(node.value)):
+                for target in node.targets:
+                    inner = target.target
+                    elements = inner.elements if isinstance(inner, (cst.Tuple, cst.List)) else [inner]
+                    for element in elements:
+                        value = element.value if isinstance(element, cst.Element) else element
+                        if isinstance(value, cst.Name):
+                            aliases.add(value.value)
+
+        def hit(expr: cst.BaseExpression) -> bool:
+            expr = _strip_subscripts(expr)
+            return matches(expr) or (isinstance(expr, cst.Name) and expr.value in aliases)
+
+        for node in _walk_all(func.body):
+            if not isinstance(node, cst.Call):
+                continue
+            if isinstance(node.func, cst.Attribute) and hit(node.func.value):
+                method = node.func.attr.value
+                if (
+                    method == "register_forward_pre_hook"
+                    and node.args
+                    and self.hook_replays(node.args[0].value, func)
+                ):
+                    return True
+                continue
+            if any(hit(a.value) for a in node.args) and self._helper_may_register(node, func, hit, depth):
+                return True
+        return False
+
+    def _helper_may_register(self, call: cst.Call, func: cst.FunctionDef, hit, depth: int) -> bool:
+        callees, _ = self.index.resolve(call.func, func)
+        if not callees:
+            name = (dotted_name(call.func) or "").rsplit(".", 1)[-1]
+            return name not in _INNOCUOUS
+        for callee in callees:
+            offset = _bound_offset(callee, self.index, isinstance(call.func, cst.Attribute))
+            params = set(_callee_param_for(call, callee, offset, hit))
+            if params and self.registers_replay(
+                callee, lambda e, ps=params: isinstance(e, cst.Name) and e.value in ps, depth + 1
+            ):
+                return True
+        return False
+
+    # Containers ------------------------------------------------------------------------------------------
+    def container_kind(self, value: cst.BaseExpression) -> str | None:
+        if isinstance(value, cst.Call):
+            name = self.ctx.names.qualified_name(value.func)
+            if name is not None and self.ctx.names.matches(value.func, *_CONTAINERS):
+                return "hookable" if self.ctx.names.matches(value.func, _HOOKABLE) else "fuser"
+        return None
+
+    def scan(self, func: cst.FunctionDef) -> list[_Container]:
+        """Containers built in `func` that hold ops adopting foreign parameters and lack a replay hook."""
+        ids: dict[str, int] = {}
+        counter = 0
+        adopted: set[tuple[str, int]] = set()
+        containers: dict[str, _Container] = {}
+        statement: cst.CSTNode | None = None
+
+        def current(name: str) -> tuple[str, int]:
+            return name, ids.get(name, 0)
+
+        def is_container(expr: cst.BaseExpression) -> bool:
+            return isinstance(expr, cst.Name) and expr.value in containers
+
+        for node in _walk(func.body):
+            if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+                statement = node
+            if isinstance(node, cst.Assign):
+                kind = self.container_kind(node.value)
+                for target in node.targets:
+                    inner = target.target
+                    if isinstance(inner, cst.Name):
+                        counter += 1
+                        ids[inner.value] = counter
+                        if kind is not None and isinstance(node.value, cst.Call):
+                            box = _Container(inner.value, node.value, statement or node, kind == "hookable")
+                            for arg in node.value.args:
+                                value = arg.value
+                                values = value.elements if isinstance(value, (cst.List, cst.Tuple)) else [arg]
+                                for element in values:
+                                    if isinstance(element.value, cst.Name) and not arg.star:
+                                        box.members.append(current(element.value.value))
+                            containers[inner.value] = box
+                    elif isinstance(inner, (cst.Attribute, cst.Subscript)):
+                        if isinstance(inner, cst.Subscript) and is_container(inner.value):
+                            if isinstance(node.value, cst.Name):
+                                containers[inner.value.value].members.append(current(node.value.value))  # type: ignore[union-attr]
+                            continue
+                        self._record_store(inner, node.value, containers, func)
+            owner = self.adoption_target(node, func)
+            if owner is not None:
+                adopted.add(current(owner))
+            if isinstance(node, cst.Call):
+                self._record_call(node, func, containers, current, adopted)
+            if isinstance(node, cst.Return) and node.value is not None:
+                for inner_node in _walk(node.value):
+                    if isinstance(inner_node, cst.Name) and inner_node.value in containers:
+                        containers[inner_node.value].returned = True
+
+        flagged = []
+        for box in containers.values():
+            if box.replayed or box.in_tree or not any(m in adopted for m in box.members):
+                continue
+            if not box.hookable and self._replays_manually(func):
+                continue
+            if (box.stores or box.returned) and self._replayed_elsewhere(box, func):
+                continue
+            flagged.append(box)
+        return flagged
+
+    def _replays_manually(self, func: cst.FunctionDef) -> bool:
+        """An OperationFuser cannot hold hooks: accept a replay anywhere in the function or its class."""
+        klass, _ = self.index.method_class(func)
+        return _REPLAY_TEXT in self.ctx.code(klass if klass is not None else func)
+
+    def _record_store(self, target: cst.BaseExpression, value: cst.BaseExpression, containers, func) -> None:
+        if (
+            isinstance(value, cst.Name)
+            and value.value in containers
+            and isinstance(target, cst.Attribute)
+            and isinstance(target.value, cst.Name)
+            and target.value.value == self._self_name(func)
+        ):
+            containers[value.value].in_tree = True  # a registered submodule: wrappers hook it
+            return
+        for inner in _walk(value):
+            if isinstance(inner, cst.Name) and inner.value in containers:
+                chain = dotted_name(_strip_subscripts(target))
+                if chain is not None:
+                    containers[inner.value].stores.append(chain)
+                else:
+                    containers[inner.value].replayed = True  # stored somewhere we cannot follow
+
+    def _record_call(self, call: cst.Call, func, containers, current, adopted) -> None:
+        receiver = call.func.value if isinstance(call.func, cst.Attribute) else None
+        if isinstance(receiver, cst.Name) and receiver.value in containers:
+            box = containers[receiver.value]
+            method = call.func.attr.value  # type: ignore[union-attr]
+            if method in _MEMBER_METHODS:
+                args = [a for a in call.args if not a.star]
+                position = _MEMBER_METHODS[method]
+                if len(args) > position:
+                    value = args[position].value
+                    values = (
+                        [e.value for e in value.elements]
+                        if isinstance(value, (cst.List, cst.Tuple))
+                        else [value]
+                    )
+                    box.members.extend(current(v.value) for v in values if isinstance(v, cst.Name))
+            elif (
+                method == "register_forward_pre_hook"
+                and call.args
+                and self.hook_replays(call.args[0].value, func)
+            ):
+                box.replayed = True
+            return
+        if dotted_name(call.func) == "setattr" and len(call.args) >= 3:
+            value = call.args[2].value
+            if isinstance(value, cst.Name) and value.value in containers:
+                name = _string_text(call.args[1].value)
+                if name:
+                    containers[value.value].stores.append(f"{dotted_name(call.args[0].value)}.{name}")
+                else:
+                    containers[value.value].replayed = True
+            return
+        for arg in call.args:
+            if isinstance(arg.value, cst.Name) and arg.value.value in containers:
+                box = containers[arg.value.value]
+                name = arg.value.value
+                if self._helper_may_register(
+                    call, func, lambda e, n=name: isinstance(e, cst.Name) and e.value == n, 0
+                ):
+                    box.replayed = True
+        # Ops handed to same-file helpers that adopt parameters into them.
+        for arg in call.args:
+            if isinstance(arg.value, cst.Name) and self._passes_to_adopting_helper(
+                call, func, arg.value.value, 0
+            ):
+                adopted.add(current(arg.value.value))
+
+    def _replayed_elsewhere(self, box: _Container, func: cst.FunctionDef) -> bool:
+        """A stored or returned container: is a replaying hook registered on it elsewhere in the class?"""
+        klass, _ = self.index.method_class(func)
+        functions = self.index.class_functions(klass) if klass is not None else list(self.index.owner)
+        keys = set(box.stores)
+        if box.returned:
+            callers = self._callers(func)
+            if not callers:
+                return True  # built for code outside this file: cannot tell
+            for call, caller in callers:
+                stored = self._result_store(call, caller)
+                if stored is None:
+                    return True
+                if isinstance(stored, str):
+                    keys.add(stored)
+                elif self.registers_replay(
+                    caller, lambda e, n=stored.value: isinstance(e, cst.Name) and e.value == n
+                ):
+                    return True
+        if not keys:
+            return False
+
+        def matches(expr: cst.BaseExpression) -> bool:
+            return dotted_name(expr) in keys
+
+        return any(self.registers_replay(f, matches) for f in functions if f is not func)
+
+    def _callers(self, func: cst.FunctionDef) -> list[tuple[cst.Call, cst.FunctionDef]]:
+        name = func.name.value
+        found = []
+        for other in self.index.owner:
+            for node in _walk(other.body):
+                if isinstance(node, cst.Call):
+                    callee = (
+                        node.func.attr.value
+                        if isinstance(node.func, cst.Attribute)
+                        else dotted_name(node.func)
+                    )
+                    if callee == name and node is not func:
+                        found.append((node, other))
+        return found
+
+    def _result_store(self, call: cst.Call, caller: cst.FunctionDef) -> str | cst.Name | None:
+        """Where the caller keeps a returned container: an attribute chain, a local Name, or None (lost)."""
+        for node in _walk(caller.body):
+            if isinstance(node, cst.Assign) and any(n is call for n in _walk(node.value)):
+                target = node.targets[0].target
+                if isinstance(target, cst.Name):
+                    return target
+                return dotted_name(_strip_subscripts(target))
+            if (
+                isinstance(node, cst.Return)
+                and node.value is not None
+                and any(n is call for n in _walk(node.value))
+            ):
+                return None
+        return None
+
+
+class FusedContainerWithoutHookReplay(Rule):
+    id = "MG005"
+    name = "fused-container-without-hook-replay"
+    severity = Severity.ERROR
+    summary = (
+        "A TE op-fuser container adopts other modules' parameters but never replays their pre-forward hooks"
+    )
+    needles = ("Sequential", "OperationFuser")
+    docs = """\
+## What it does
+Finds a Transformer Engine op-fuser container (`transformer_engine.pytorch.ops.Sequential`, or an
+`OperationFuser`) whose ops adopt parameters owned by other modules (`op.weight = self.linear_fc1.weight`,
+`setattr(op, "weight0", getattr(self.linear_fc1, "weight0"))`,
+`op.register_parameter("weight", linear.get_parameter("weight"))`) when no pre-forward hook registered on
+the container replays those modules' `_forward_pre_hooks`.
+
+## Why is this bad?
+Data-parallel wrappers hook the modules that own the parameters: Megatron-FSDP all-gathers (unshards) them in
+a pre-forward hook, Megatron DDP with `overlap_param_gather` waits for their all-gather in one. The fused
+container runs the adopted weights without calling the owning module's `forward`, so none of those hooks run:
+the fused ops read sharded, stale or half-gathered weights, silently.
+
+## Example
+```python
+def _make_fused_ops(self):
+    ops = te.pytorch.ops.Sequential()
+    op = te.pytorch.ops.GroupedLinear(n, k, m, device="meta")
+    setattr(op, "weight0", getattr(self.linear_fc1, "weight0"))
+    ops.append(op)
+    return ops
+```
+
+## Use instead
+Register a pre-forward hook on the container that replays the source modules' hooks (as megatron-core's
+`TEGroupedMLP._make_fused_impl_pre_forward_hook` does):
+```python
+def _make_fused_ops(self):
+    ops = te.pytorch.ops.Sequential()
+    op = te.pytorch.ops.GroupedLinear(n, k, m, device="meta")
+    setattr(op, "weight0", getattr(self.linear_fc1, "weight0"))
+    ops.append(op)
+
+    def replay(module, *_):
+        for submodule in self.linear_fc1.modules():
+            for hook in submodule._forward_pre_hooks.values():
+                hook(submodule, ())
+
+    ops.register_forward_pre_hook(replay)
+    return ops
+```
+No automatic fix: which hooks may be replayed (hooks that read or rewrite the input cannot) is a design
+decision. Hooks and helpers the analyzer cannot see (imported from other files) are assumed to replay.
+"""
+
+    VALID = [
+        # megatron-core 0.18.2 style: setattr adoption, replay through a hook factory method.
+        Example(
+            """\
+            import transformer_engine as te
+
+            class GroupedMLP:
+                def _make_fused_ops(self):
+                    ops = te.pytorch.ops.Sequential()
+                    op = te.pytorch.ops.GroupedLinear(2, 4, 4, device="meta")
+                    setattr(op, "weight0", getattr(self.linear_fc1, "weight0"))
+                    ops.append(op)
+                    ops.register_forward_pre_hook(self._make_hook())
+                    return ops
+
+                def _make_hook(self):
+                    def forward_pre_hook(module, *_):
+                        for submodule in self.linear_fc1.modules():
+                            for hook in submodule._forward_pre_hooks.values():
+                                hook(submodule, None)
+                    return forward_pre_hook
+            """
+        ),
+        # megatron-core 0.19.2 style: adoption through a nested helper, local closure hook.
+        Example(
+            """\
+            from transformer_engine.pytorch import ops as te_ops
+
+            class GroupedMLP:
+                def _make_fused_ops(self):
+                    def adopt(op, linear):
+                        op.register_parameter("weight", linear.get_parameter("weight"))
+
+                    seq = te_ops.Sequential()
+                    op = te_ops.GroupedLinear(2, 4, 4, device="meta")
+                    adopt(op, self.linear_fc1)
+                    seq.append(op)
+
+                    def forward_pre_hook(module, *_):
+                        for hook in self.linear_fc1._forward_pre_hooks.values():
+                            hook(self.linear_fc1, ())
+
+                    seq.register_forward_pre_hook(forward_pre_hook)
+                    return seq
+            """
+        ),
+        # Replay registered by a helper method that collects the hooks (TEFusedMLP style).
+        Example(
+            """\
+            import transformer_engine as te
+
+            class FusedMLP:
+                def _make_fused_impl(self):
+                    fused = te.pytorch.ops.Sequential()
+                    weight = self.linear_fc1.weight
+                    op = te.pytorch.ops.BasicLinear(4, 4, device="meta")
+                    op.weight = weight
+                    fused.append(op)
+                    self._register_hooks(fused)
+                    return fused
+
+                def _register_hooks(self, fused_impl):
+                    hooks = []
+                    for submodule in self.modules():
+                        hooks.extend(submodule._forward_pre_hooks.values())
+
+                    def pre_hook(module, *_):
+                        for hook in hooks:
+                            hook(module, ())
+
+                    fused_impl.register_forward_pre_hook(pre_hook)
+            """
+        ),
+        # Ops that own their parameters (nothing adopted): nothing to replay.
+        Example(
+            """\
+            import transformer_engine as te
+
+            def build(n):
+                seq = te.pytorch.ops.Sequential()
+                seq.append(te.pytorch.ops.BasicLinear(n, n))
+                op = te.pytorch.ops.Bias(n)
+                op.scale = 2.0
+                seq.append(op)
+                return seq
+            """
+        ),
+        # The module's own parameter (self.weight) runs inside its own forward: its hooks already ran.
+        Example(
+            """\
+            import transformer_engine as te
+
+            class FusedNorm:
+                def _make(self):
+                    seq = te.pytorch.ops.Sequential()
+                    op = te.pytorch.ops.RMSNorm(self.weight.shape, device="meta")
+                    op.weight = self.weight
+                    seq.append(op)
+                    self._seq = (seq,)
+            """
+        ),
+        # The hook comes from another file: assumed to replay (precision first).
+        Example(
+            """\
+            import transformer_engine as te
+            from mylib.hooks import replay_submodule_hooks
+
+            class M:
+                def _make(self):
+                    seq = te.pytorch.ops.Sequential()
+                    op = te.pytorch.ops.BasicLinear(4, 4, device="meta")
+                    op.weight = self.fc.weight
+                    seq.append(op)
+                    seq.register_forward_pre_hook(replay_submodule_hooks(self.fc))
+                    return seq
+            """
+        ),
+        # Registered as a submodule (wrappers see it and hook its ops, which share the parameters).
+        Example(
+            """\
+            import transformer_engine as te
+
+            class M:
+                def __init__(self, fc):
+                    self.fc = fc
+                    seq = te.pytorch.ops.Sequential()
+                    op = te.pytorch.ops.BasicLinear(4, 4, device="meta")
+                    op.weight = fc.weight
+                    seq.append(op)
+                    self.fused = seq
+            """
+        ),
+        # Stored, and a replaying hook is registered later on the stored attribute.
+        Example(
+            """\
+            import transformer_engine as te
+
+            class M:
+                def _build(self):
+                    seq = te.pytorch.ops.Sequential()
+                    op = te.pytorch.ops.BasicLinear(4, 4, device="meta")
+                    op.weight = self.fc.weight
+                    seq.append(op)
+                    self._fused = (seq,)
+
+                def forward(self, x):
+                    if self._fused is None:
+                        self._build()
+                        self._fused[0].register_forward_pre_hook(self._replay)
+                    return self._fused[0](x)
+
+                def _replay(self, module, *_):
+                    for hook in self.fc._forward_pre_hooks.values():
+                        hook(self.fc, ())
+            """
+        ),
+        # A plain torch.nn.Sequential is not an op fuser.
+        Example(
+            """\
+            import torch
+
+            def build(fc):
+                seq = torch.nn.Sequential()
+                lin = torch.nn.Linear(4, 4)
+                lin.weight = fc.weight
+                seq.append(lin)
+                return seq
+            """
+        ),
+    ]
+    INVALID = [
+        # megatron-core 0.18.2's TEGroupedMLP without its replay hook.
+        Example(
+            """\
+            import transformer_engine as te
+
+            class GroupedMLP:
+                def _make_fused_ops(self):
+                    ops = te.pytorch.ops.Sequential()
+                    op = te.pytorch.ops.GroupedLinear(2, 4, 4, device="meta")
+                    for idx in range(2):
+                        setattr(op, f"weight{idx}", getattr(self.linear_fc1, f"weight{idx}"))
+                    ops.append(op)
+                    return ops
+
+                def forward(self, x, splits):
+                    if self._fused_ops is None:
+                        self._fused_ops = (self._make_fused_ops(),)
+                    (ops,) = self._fused_ops
+                    return ops(x, splits)
+            """,
+            line=5,
+        ),
+        # Alias import form, direct attribute adoption through a local, stored in a tuple, run in forward.
+        Example(
+            """\
+            import transformer_engine as te
+            te_ops = te.pytorch.ops
+
+            class FusedNorm:
+                def _make(self):
+                    weight = self.linear_fc1.layer_norm_weight
+                    op = te_ops.RMSNorm(weight.shape, device="meta")
+                    op.weight = weight
+                    norm_seq = te_ops.Sequential()
+                    norm_seq.append(op)
+                    self._norm_seq = (norm_seq,)
+
+                def forward(self, x):
+                    return self._norm_seq[0](x)
+            """,
+            line=9,
+        ),
+        # A hook is registered, but it only exposes main_grad: it replays nothing.
+        Example(
+            """\
+            from transformer_engine.pytorch.ops import Sequential, BasicLinear
+
+            class M:
+                def _make(self):
+                    op = BasicLinear(4, 4, device="meta")
+                    op.register_parameter("weight", self.fc.get_parameter("weight"))
+                    seq = Sequential(op)
+                    seq.register_forward_pre_hook(self._expose)
+                    return seq
+
+                def _expose(self, module, *_):
+                    for p in self.fc.parameters(recurse=False):
+                        p.main_grad = p.get_main_grad()
+
+                def forward(self, x):
+                    seq = self._make()
+                    return seq(x)
+            """,
+            line=7,
+        ),
+        # A module-level builder taking the source module as an argument; returned to a local caller.
+        Example(
+            """\
+            import transformer_engine.pytorch.ops as teops
+
+            def fuse(linear):
+                seq = teops.Sequential()
+                op = teops.BasicLinear(4, 4, device="meta")
+                op.weight = linear.weight
+                seq.append(op)
+                return seq
+
+            def run(linear, x):
+                fused = fuse(linear)
+                return fused(x)
+            """,
+            line=4,
+        ),
+    ]
+
+    def check(self, ctx: FileContext) -> Iterator[Violation]:
+        if "register_module_forward_pre_hook" in ctx.source:
+            return  # a global hook runs for every module, containers included: cannot reason about it
+        analysis: _Analysis | None = None
+        for node in _walk_all(ctx.module):
+            if not isinstance(node, cst.FunctionDef):
+                continue
+            code = ctx.code(node)
+            if "Sequential" not in code and "OperationFuser" not in code:
+                continue
+            analysis = analysis or _Analysis(ctx)
+            for box in analysis.scan(node):
+                kind = "op-fuser Sequential" if box.hookable else "OperationFuser"
+                remedy = (
+                    "register a pre-forward hook on it that calls each source module's `_forward_pre_hooks` "
+                    "(as megatron-core's TEGroupedMLP._make_fused_impl_pre_forward_hook does)"
+                    if box.hookable
+                    else "call each source module's `_forward_pre_hooks` before running it (an OperationFuser "
+                    "cannot hold hooks)"
+                )
+                yield Violation(
+                    node=box.call,
+                    context_node=box.statement,
+                    message=(
+                        f"TE {kind} `{box.name}` runs ops that adopt parameters of other modules, but nothing "
+                        "replays those modules' pre-forward hooks: data-parallel wrappers (Megatron-FSDP "
+                        "unshard, DDP overlap_param_gather) hook the owning modules, whose forward the fused "
+                        f"path bypasses, so the fused ops may read sharded or not-yet-gathered weights; {remedy}"
+                    ),
+                )
