@@ -1,0 +1,378 @@
+"""MG006: `overwrite_main_grad` forced to a constant `True` outside the data-parallel wrapper.
+
+The flag belongs to the data-parallel wrapper: Megatron-FSDP sets it on every unshard from its sharding
+strategy, DDP never sets it (TE then accumulates). Code outside the wrapper that writes a constant `True`
+makes every fused wgrad GEMM that reads it overwrite `main_grad`, which with unsharded gradients and
+several micro-batches per step drops the earlier micro-batches.
+
+What is not flagged, and why:
+* the wrapper's own code (a `megatron/core/distributed/` or `*fsdp*` path, a `*data_parallel*`/`*ddp*`
+  module, or a class named like a wrapper): it owns the flag and knows its buffers;
+* assignments whose value is not a constant, or that sit behind a test on the sharding strategy
+  (any `if`/`while`/`assert`/ternary test mentioning `strategy` before the assignment in its function):
+  the value is then derived from the strategy;
+* constant `False` (or other falsy constants): `False` means "accumulate", which is what TE does when the
+  attribute is absent (`getattr(w, "overwrite_main_grad", False)`), so it never discards gradients; it is the
+  usual reset after a manual `main_grad.zero_()`;
+* test files (`tests/`, `test_*.py`, `*_test.py`, `conftest.py`), which set the flag to build a scenario.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import libcst as cst
+from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.names import dotted_name
+from maingrad.analyzer.report import Severity
+from maingrad.analyzer.rules._common import (
+    all_nodes,
+    code_of,
+    enclosing_function,
+    is_before,
+    local_bindings,
+    own_nodes,
+    single_binding,
+    string_value,
+)
+from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
+
+FLAG = "overwrite_main_grad"
+_WRAPPER_PATH = re.compile(
+    r"(^|/)megatron/core/distributed/|(^|/)[^/]*fsdp[^/]*(/|$)|(^|/)[^/]*(data_parallel|ddp)[^/]*\.py$",
+    re.IGNORECASE,
+)
+_WRAPPER_CLASS = re.compile(r"fsdp|fullyshard|dataparallel|ddp|gradbuffer", re.IGNORECASE)
+_TEST_PATH = re.compile(r"(^|/)(tests?/|test_[^/]*\.py$|[^/]*_test\.py$|conftest\.py$)")
+_STRATEGY = re.compile(r"strateg", re.IGNORECASE)
+# Calls that may appear in a loop header or guard we delete together with the assignment.
+_PURE_CALLS = frozenset(
+    {
+        "hasattr",
+        "getattr",
+        "isinstance",
+        "callable",
+        "parameters",
+        "named_parameters",
+        "modules",
+        "named_modules",
+        "children",
+        "zip",
+        "range",
+        "enumerate",
+        "chain",
+        "list",
+        "tuple",
+        "values",
+        "items",
+    }
+)
+
+
+def in_wrapper(ctx: FileContext, node: cst.CSTNode) -> bool:
+    """Is `node` in the data-parallel wrapper's own code (by path or by enclosing class name)?"""
+    if _WRAPPER_PATH.search(ctx.path.replace("\\", "/")):
+        return True
+    return any(
+        isinstance(a, cst.ClassDef) and _WRAPPER_CLASS.search(a.name.value) for a in ctx.ancestors(node)
+    )
+
+
+def _is_truthy_constant(node: cst.BaseExpression, bindings: dict[str, list[cst.BaseExpression]]) -> bool:
+    if isinstance(node, cst.Name) and node.value == "True":
+        return True
+    if isinstance(node, cst.Integer):
+        return node.evaluated_value != 0
+    bound = single_binding(bindings, node)
+    return bound is not None and bound is not node and _is_truthy_constant(bound, {})
+
+
+def _forced_value(small: cst.BaseSmallStatement) -> cst.BaseExpression | None:
+    """The value a statement assigns to `X.overwrite_main_grad`, else None."""
+    if isinstance(small, cst.Assign):
+        if any(isinstance(t.target, cst.Attribute) and t.target.attr.value == FLAG for t in small.targets):
+            return small.value
+    elif isinstance(small, cst.AnnAssign):
+        if isinstance(small.target, cst.Attribute) and small.target.attr.value == FLAG:
+            return small.value
+    elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+        call = small.value
+        args = [a for a in call.args if not a.star and a.keyword is None]
+        if dotted_name(call.func) == "setattr" and len(args) == 3 and string_value(args[1].value) == FLAG:
+            return args[2].value
+    return None
+
+
+def _is_pure(node: cst.CSTNode) -> bool:
+    """Evaluating (or no longer evaluating) it has no side effect: names, constants, comparisons and calls
+    to attribute probes and parameter iterators."""
+    for inner in own_nodes(node, cst.Call, cst.NamedExpr, cst.Yield, cst.Await):
+        if not isinstance(inner, cst.Call):
+            return False
+        func = inner.func
+        name = func.attr.value if isinstance(func, cst.Attribute) else dotted_name(func)
+        if name not in _PURE_CALLS:
+            return False
+    return True
+
+
+def _strategy_guarded(ctx: FileContext, node: cst.CSTNode) -> bool:
+    """A test on the sharding strategy before `node` in its function makes the value strategy-derived."""
+    func = enclosing_function(ctx, node)
+    scope = func if func is not None else ctx.module
+    for test_owner in own_nodes(scope, cst.If, cst.While, cst.Assert, cst.IfExp):
+        test = test_owner.test  # type: ignore[attr-defined]
+        if _STRATEGY.search(code_of(test)) and is_before(ctx, test_owner, node):
+            return True
+    return False
+
+
+class ForcedOverwriteMainGrad(Rule):
+    id = "MG006"
+    name = "forced-overwrite-main-grad"
+    severity = Severity.WARNING
+    summary = "`overwrite_main_grad` forced to a constant `True` outside the data-parallel wrapper"
+    needles = (FLAG,)
+    fixable = True
+    docs = """\
+## What it does
+Finds code outside the data-parallel wrapper that sets `param.overwrite_main_grad` to a constant `True`
+(`param.overwrite_main_grad = True`, `setattr(p, "overwrite_main_grad", True)`), whatever sharding strategy
+the wrapper runs.
+
+## Why is this bad?
+The flag tells fused wgrad GEMMs (TE modules with `fuse_wgrad_accumulation`, op-fuser ops with
+`accumulate_into_main_grad`) to overwrite `main_grad` instead of accumulating into it. Megatron-FSDP chooses
+it per sharding strategy on every unshard; DDP leaves it unset (accumulate). With strategies that keep
+gradients unsharded (DDP, Megatron-FSDP `no_shard`/`optim`) and several micro-batches per step, a backward
+that reads a forced `True` discards the gradients of the earlier micro-batches, silently. It is harmless
+only where the wrapper sets the flag again before the GEMM reads it (TE modules read it at forward time,
+op-fuser ops at backward time), which is an accident of ordering, not a contract.
+
+## Example
+```python
+for param in linear.parameters(recurse=False):
+    if hasattr(param, "overwrite_main_grad"):
+        param.overwrite_main_grad = True
+```
+
+## Use instead
+Leave the flag to the data-parallel wrapper:
+```python
+for param in linear.parameters(recurse=False):
+    ...
+```
+or derive it from the strategy (`param.overwrite_main_grad = strategy in ("optim_grads",
+"optim_grads_params")`). The (unsafe) fix deletes the assignment, together with a guard or loop that would
+be left empty.
+"""
+
+    VALID = [
+        # The value comes from the sharding strategy.
+        Example(
+            """\
+            def on_unshard(params, strategy):
+                for param in params:
+                    param.overwrite_main_grad = strategy in ("optim_grads", "optim_grads_params")
+            """
+        ),
+        # A constant behind a strategy test.
+        Example(
+            """\
+            def on_unshard(self, params):
+                if self.data_parallel_sharding_strategy == "no_shard":
+                    return
+                for param in params:
+                    param.overwrite_main_grad = True
+            """
+        ),
+        # A reset to False after the buffer was zeroed by hand: accumulate onto zeros.
+        Example(
+            """\
+            def begin_accumulation(params):
+                for param in params:
+                    param.main_grad.zero_()
+                    param.overwrite_main_grad = False
+            """
+        ),
+        # Reading the flag is fine.
+        Example(
+            """\
+            def accumulate(weight):
+                return not getattr(weight, "overwrite_main_grad", False)
+            """
+        ),
+        # Inside the wrapper's class (Megatron-FSDP owns the flag).
+        Example(
+            """\
+            class MegatronFSDP:
+                def _unshard(self, params):
+                    for param in params:
+                        param.overwrite_main_grad = True
+            """
+        ),
+        # A different attribute.
+        Example(
+            """\
+            def setup(param):
+                param.overwrite_main_grad_enabled = True
+                param.grad_added_to_main_grad = True
+            """
+        ),
+    ]
+    INVALID = [
+        # megatron-core 0.19.2's TEGroupedMLP._ensure_main_grad.
+        Example(
+            """\
+            def _ensure_main_grad(linear_module):
+                for param in linear_module.parameters(recurse=False):
+                    get_main_grad = getattr(param, "get_main_grad", None)
+                    if get_main_grad is not None and getattr(param, "main_grad", None) is None:
+                        param.main_grad = get_main_grad()
+                    if hasattr(param, "overwrite_main_grad"):
+                        param.overwrite_main_grad = True
+                return linear_module
+            """,
+            line=7,
+            fixed="""\
+            def _ensure_main_grad(linear_module):
+                for param in linear_module.parameters(recurse=False):
+                    get_main_grad = getattr(param, "get_main_grad", None)
+                    if get_main_grad is not None and getattr(param, "main_grad", None) is None:
+                        param.main_grad = get_main_grad()
+                return linear_module
+            """,
+        ),
+        # setattr form; the loop would be left empty, so it goes too.
+        Example(
+            """\
+            def force(module):
+                x = 1
+                for p in module.parameters():
+                    setattr(p, "overwrite_main_grad", True)
+                return x
+            """,
+            line=4,
+            fixed="""\
+            def force(module):
+                x = 1
+                return x
+            """,
+        ),
+        # Other statements on the same line stay; a constant bound to a local still counts.
+        Example(
+            """\
+            def force(weight, bias):
+                flag = True
+                weight.main_grad = weight.get_main_grad(); weight.overwrite_main_grad = flag
+                bias.overwrite_main_grad: bool = True
+            """,
+            line=3,
+            fixed="""\
+            def force(weight, bias):
+                flag = True
+                weight.main_grad = weight.get_main_grad()
+            """,
+        ),
+        # A block whose only statement goes, behind a test with side effects: `pass` keeps it valid.
+        Example(
+            """\
+            def force(weight):
+                if prepare(weight):
+                    weight.overwrite_main_grad = True
+                else:
+                    weight.overwrite_main_grad = False
+            """,
+            line=3,
+            fixed="""\
+            def force(weight):
+                if prepare(weight):
+                    pass
+                else:
+                    weight.overwrite_main_grad = False
+            """,
+        ),
+    ]
+
+    def check(self, ctx: FileContext) -> Iterator[Violation]:
+        if _TEST_PATH.search(ctx.path.replace("\\", "/")):
+            return
+        flagged: list[tuple[cst.SimpleStatementLine, cst.BaseSmallStatement]] = []
+        for line in all_nodes(ctx.module, cst.SimpleStatementLine):
+            assert isinstance(line, cst.SimpleStatementLine)
+            for small in line.body:
+                value = _forced_value(small)
+                if value is None:
+                    continue
+                bindings = local_bindings(enclosing_function(ctx, line))
+                if not _is_truthy_constant(value, bindings):
+                    continue
+                if in_wrapper(ctx, line) or _strategy_guarded(ctx, line):
+                    continue
+                flagged.append((line, small))
+        whole_lines = {line for line, _ in flagged if len(line.body) == 1}
+        for line, small in flagged:
+            yield Violation(
+                node=small,
+                context_node=line,
+                message=(
+                    f"`{code_of(small)}` forces fused wgrad GEMMs to overwrite `main_grad` whatever "
+                    "sharding strategy the data-parallel wrapper runs: with unsharded gradients (DDP, "
+                    "Megatron-FSDP `no_shard`/`optim`) and several micro-batches per step, a backward that "
+                    "reads it discards the earlier micro-batches' gradients; leave the flag to the wrapper "
+                    "(delete this assignment) or derive it from the sharding strategy"
+                ),
+                fix=_deletion_fix(ctx, line, small, whole_lines),
+            )
+
+
+def _deletion_fix(
+    ctx: FileContext,
+    line: cst.SimpleStatementLine,
+    small: cst.BaseSmallStatement,
+    whole_lines: set[cst.SimpleStatementLine],
+) -> Fix:
+    """Delete `small`; a line, guard or loop left empty goes too, else `pass` keeps the block valid.
+
+    `whole_lines` are the lines this rule deletes entirely: when they fill a block, the first one's fix
+    handles the block (so applying every fix at once never leaves an empty block) and the others only
+    delete themselves.
+    """
+    description = "delete the forced `overwrite_main_grad` assignment"
+    if len(line.body) > 1:
+        rest = [s for s in line.body if s is not small]
+        rest[-1] = rest[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
+        return Fix({line: line.with_changes(body=rest)}, description, safe=False)
+    node: cst.CSTNode = line
+    while True:
+        block = ctx.parent(node)
+        if not isinstance(block, cst.IndentedBlock):
+            return Fix({node: cst.RemovalSentinel.REMOVE}, description, safe=False)
+        survivors = [s for s in block.body if s is not node and s not in whole_lines]
+        first_deleted = next(s for s in block.body if s is node or s in whole_lines)
+        if survivors or (node is line and first_deleted is not node):
+            return Fix({node: cst.RemovalSentinel.REMOVE}, description, safe=False)
+        owner = ctx.parent(block)
+        removable = (
+            isinstance(owner, cst.If)
+            and owner.orelse is None
+            and owner.body is block
+            and _is_pure(owner.test)
+        ) or (
+            isinstance(owner, cst.For)
+            and owner.orelse is None
+            and owner.body is block
+            and _is_pure(owner.iter)
+        )
+        if not removable or owner is None:
+            return Fix({node: _pass_like(node)}, description, safe=False)
+        node = owner
+        whole_lines = set()
+
+
+def _pass_like(node: cst.CSTNode) -> cst.SimpleStatementLine:
+    leading = (
+        node.leading_lines if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)) else ()
+    )
+    return cst.SimpleStatementLine(body=[cst.Pass()], leading_lines=leading)
