@@ -1,4 +1,9 @@
-"""What a rule sees of one file: source, CST, cheap name resolution, lazy parents and settings."""
+"""What a rule sees of one file: source, CST, cheap name resolution, lazy parents and settings.
+
+Everything here is computed lazily and at most once per file, and without libcst's visitor machinery
+(see `maingrad.analyzer.walk`): rules that ask for `ctx.nodes(cst.Call)` or `ctx.parent(node)` share one
+fast pass over the tree instead of each paying for a full `module.visit(...)`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import libcst as cst
-
+from maingrad.analyzer import walk
 from maingrad.analyzer.names import NameResolver, package_of
 
 
@@ -19,6 +24,8 @@ class RuleSettings:
 
 
 class _ParentCollector(cst.CSTVisitor):
+    """Parent map through libcst's visitor (kept for reference and tests; `walk.parent_map` is used)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.parents: dict[cst.CSTNode, cst.CSTNode] = {}
@@ -42,6 +49,9 @@ class FileContext:
     settings: RuleSettings = field(default_factory=RuleSettings)
     _names: NameResolver | None = field(default=None, repr=False)
     _parents: dict[cst.CSTNode, cst.CSTNode] | None = field(default=None, repr=False)
+    _preorder: list[cst.CSTNode] | None = field(default=None, repr=False)
+    _by_type: dict[type, list[cst.CSTNode]] | None = field(default=None, repr=False)
+    _order: dict[cst.CSTNode, int] | None = field(default=None, repr=False)
 
     @property
     def names(self) -> NameResolver:
@@ -51,9 +61,7 @@ class FileContext:
 
     def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
         if self._parents is None:
-            collector = _ParentCollector()
-            self.module.visit(collector)
-            self._parents = collector.parents
+            self._parents = walk.parent_map(self.module)
         return self._parents.get(node)
 
     def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
@@ -70,3 +78,32 @@ class FileContext:
 
     def code(self, node: cst.CSTNode) -> str:
         return self.module.code_for_node(node)
+
+    # Fast whole-file queries (one shared pass) -----------------------------------------------------------
+    def nodes(self, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
+        """Every node of `kinds` in the file, in source order: use instead of a `module.visit(...)` pass."""
+        if self._by_type is None:
+            self._preorder = list(walk.walk(self.module))
+            self._by_type = {}
+            for node in self._preorder:
+                self._by_type.setdefault(type(node), []).append(node)
+        if len(kinds) == 1 and kinds[0] in self._by_type:
+            return list(self._by_type[kinds[0]])
+        found = [n for kind, ns in self._by_type.items() if issubclass(kind, kinds) for n in ns]
+        if len({type(n) for n in found}) > 1:
+            found.sort(key=self.index)
+        return found
+
+    def index(self, node: cst.CSTNode) -> int:
+        """Position of `node` in a pre-order walk: a total source order (`a` starts before `b` iff
+        `ctx.index(a) < ctx.index(b)`, with ancestors before descendants)."""
+        if self._order is None:
+            if self._preorder is None:
+                self.nodes(cst.Module)
+            assert self._preorder is not None
+            self._order = {node: i for i, node in enumerate(self._preorder)}
+        return self._order[node]
+
+    def visit(self, visitor: cst.CSTVisitor, root: cst.CSTNode | None = None) -> cst.CSTVisitor:
+        """Run a read-only CSTVisitor over the file (or `root`) without libcst's node rebuilding."""
+        return walk.visit(root if root is not None else self.module, visitor)

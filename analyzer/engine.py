@@ -10,7 +10,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
-
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.positions import LazyPositions
 from maingrad.analyzer.report import Finding, ParseError, Severity, fingerprint
@@ -25,6 +24,11 @@ class FileResult:
     parse_error: ParseError | None = None
     # Fixes by finding fingerprint, kept only in-process (not serialized into the report).
     fixes: dict[str, Fix] = field(default_factory=dict)
+    # Per finding fingerprint: the first line of the innermost statement holding the reported node, where
+    # a `# maingrad: ignore[...]` comment also suppresses it (when it differs from the reported line).
+    anchors: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Rules that raised on this file ("MG001: ValueError: ..."), when analyze_source(catch_rule_errors=True).
+    rule_errors: list[str] = field(default_factory=list)
 
 
 def needed_rules(source: str, rules: Sequence[Rule]) -> list[Rule]:
@@ -36,7 +40,9 @@ def parse(source: str, path: str) -> cst.Module | ParseError:
     try:
         return cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
-        return ParseError(path=path, message=f"syntax error: {exc.message}", line=exc.raw_line, column=exc.raw_column + 1)
+        return ParseError(
+            path=path, message=f"syntax error: {exc.message}", line=exc.raw_line, column=exc.raw_column + 1
+        )
     except Exception as exc:  # libcst raises a few other types on exotic input; never crash the scan
         return ParseError(path=path, message=f"{type(exc).__name__}: {exc}")
 
@@ -47,7 +53,10 @@ def analyze_source(
     rules: Sequence[Rule],
     settings: RuleSettings | None = None,
     severities: dict[str, Severity] | None = None,
+    catch_rule_errors: bool = False,
 ) -> FileResult:
+    """Findings of `rules` on one file. A rule that raises propagates (tests see rule bugs) unless
+    `catch_rule_errors`, where the scan records it in `rule_errors` and keeps the other rules' findings."""
     result = FileResult(path=path)
     active = needed_rules(source, rules)
     if not active:
@@ -60,22 +69,40 @@ def analyze_source(
     ctx = FileContext(path=path, source=source, module=parsed, settings=settings or RuleSettings())
     collected: list[tuple[Rule, Violation]] = []
     for rule in active:
-        for violation in rule.check(ctx):
-            collected.append((rule, violation))
+        if not catch_rule_errors:
+            collected.extend((rule, violation) for violation in rule.check(ctx))
+            continue
+        try:
+            violations = list(rule.check(ctx))
+        except Exception as exc:  # a rule bug must not lose the rest of the scan
+            result.rule_errors.append(f"{rule.id}: {type(exc).__name__}: {exc}")
+            continue
+        collected.extend((rule, violation) for violation in violations)
     if collected:
-        result.findings, result.fixes = _to_findings(ctx, collected, severities or {})
+        result.findings, result.fixes, result.anchors = _to_findings(ctx, collected, severities or {})
     return result
+
+
+def _statement_line(ctx: FileContext, node: cst.CSTNode, positions: LazyPositions) -> int | None:
+    for candidate in (node, *ctx.ancestors(node)):
+        if isinstance(candidate, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            return positions[candidate].start.line
+    return None
 
 
 def _to_findings(
     ctx: FileContext, collected: Iterable[tuple[Rule, Violation]], severities: dict[str, Severity]
-) -> tuple[list[Finding], dict[str, Fix]]:
+) -> tuple[list[Finding], dict[str, Fix], dict[str, tuple[int, ...]]]:
     positions = LazyPositions(ctx.module)
     lines = ctx.source.splitlines()
     seen: dict[tuple[str, str], int] = {}
     findings: list[Finding] = []
     fixes: dict[str, Fix] = {}
-    ordered = sorted(collected, key=lambda rv: (positions[rv[1].node].start.line, positions[rv[1].node].start.column, rv[0].id))
+    anchors: dict[str, tuple[int, ...]] = {}
+    ordered = sorted(
+        collected,
+        key=lambda rv: (positions[rv[1].node].start.line, positions[rv[1].node].start.column, rv[0].id),
+    )
     for rule, violation in ordered:
         where = positions[violation.node]
         context = ctx.code(violation.context_node or violation.node)
@@ -101,7 +128,10 @@ def _to_findings(
         )
         if violation.fix is not None:
             fixes[fp] = violation.fix
-    return findings, fixes
+        statement_line = _statement_line(ctx, violation.node, positions)
+        if statement_line is not None and statement_line != where.start.line:
+            anchors[fp] = (statement_line,)
+    return findings, fixes, anchors
 
 
 def fix_source(
@@ -111,12 +141,15 @@ def fix_source(
     settings: RuleSettings | None = None,
     unsafe: bool = False,
     max_rounds: int = 4,
+    honor_suppressions: bool = False,
 ) -> str:
     """Source after applying every (safe, or also unsafe) fix, repeated until nothing changes.
 
-    Unparsable input is returned unchanged. Each round re-parses, so fixes never see stale nodes.
+    Unparsable input is returned unchanged. Each round re-parses, so fixes never see stale nodes. With
+    `honor_suppressions`, violations silenced by a `# maingrad: ignore` comment are not fixed either.
     """
     from maingrad.analyzer.fixes import apply_fixes
+    from maingrad.analyzer.suppressions import parse_suppressions
 
     current = source
     for _ in range(max_rounds):
@@ -127,12 +160,21 @@ def fix_source(
         if isinstance(parsed, ParseError):
             return current
         ctx = FileContext(path=path, source=current, module=parsed, settings=settings or RuleSettings())
-        fixes = [
-            violation.fix
-            for rule in active
-            for violation in rule.check(ctx)
-            if violation.fix is not None and (violation.fix.safe or unsafe)
-        ]
+        suppressions = parse_suppressions(current) if honor_suppressions else None
+        positions = LazyPositions(parsed)
+        fixes = []
+        for rule in active:
+            for violation in rule.check(ctx):
+                if violation.fix is None or not (violation.fix.safe or unsafe):
+                    continue
+                if suppressions is not None and not suppressions.empty:
+                    lines = [positions[violation.node].start.line]
+                    statement_line = _statement_line(ctx, violation.node, positions)
+                    if statement_line is not None:
+                        lines.append(statement_line)
+                    if suppressions.suppresses(rule.id, lines):
+                        continue
+                fixes.append(violation.fix)
         if not fixes:
             return current
         updated = apply_fixes(parsed, fixes).code

@@ -1,0 +1,33 @@
+"""What reporters need besides the report: where files are, how to show them, rule docs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from maingrad.analyzer.catalog import RuleMeta
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    root: Path  # the scan root (report paths are relative to it)
+    cwd: Path = field(default_factory=Path.cwd)
+    color: bool = False
+    show_source: bool = False
+    statistics: bool = False
+    quiet: bool = False
+    rules: tuple[RuleMeta, ...] = ()  # metadata (docs) of the reported rules, for SARIF help text
+    fixable: frozenset[str] = frozenset()  # fingerprints whose fix `maingrad fix` applies by default
+
+    def display_path(self, relpath: str) -> str:
+        """A report path as the user's shell sees it (relative to the working directory when possible)."""
+        absolute = self.root / relpath
+        try:
+            shown = os.path.relpath(absolute, self.cwd)
+        except ValueError:  # another drive on Windows
+            return str(absolute)
+        return shown if not shown.startswith("../../..") else str(absolute)
+
+    def rule_meta(self, rule_id: str) -> RuleMeta | None:
+        return next((r for r in self.rules if r.id == rule_id), None)

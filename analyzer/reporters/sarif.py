@@ -1,0 +1,133 @@
+"""SARIF 2.1.0 for GitHub code scanning and other SARIF consumers.
+
+- `tool.driver.rules`: every reported rule with short/full description, help (the rule's docs as text and
+  markdown) and `helpUri`; results point at them by `ruleId` and `ruleIndex`.
+- Locations are relative URIs with `uriBaseId` `%SRCROOT%` (the scan root, given in
+  `originalUriBaseIds`), 1-based lines and columns in Unicode code points (`columnKind`), with the
+  flagged source as the region's snippet.
+- `partialFingerprints` carry the analyzer's fingerprint, which never depends on line numbers, so a
+  result keeps its identity when code moves.
+- Files that could not be analyzed are `toolExecutionNotifications` of the invocation.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import quote
+
+from maingrad.analyzer.report import Report
+from maingrad.analyzer.reporters.base import OutputOptions
+
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+SARIF_VERSION = "2.1.0"
+FINGERPRINT_KEY = "maingradFingerprint/v1"
+SRCROOT = "%SRCROOT%"
+INFORMATION_URI = "https://github.com/maingrad/maingrad"
+
+
+def _uri(relpath: str) -> str:
+    return quote(relpath, safe="/-_.~")
+
+
+def build_sarif(report: Report, options: OutputOptions) -> dict[str, Any]:
+    rules: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
+    infos = {r.id: r for r in report.rules}
+    for finding in report.findings:  # rules that are reported but not listed still get a descriptor
+        if finding.rule not in infos:
+            from maingrad.analyzer.report import RuleInfo
+
+            infos[finding.rule] = RuleInfo(finding.rule, finding.rule, finding.severity, "", "")
+    for rule_id in sorted(infos):
+        info = infos[rule_id]
+        meta = options.rule_meta(rule_id)
+        help_text = meta.docs if meta is not None and meta.docs else info.summary
+        descriptor: dict[str, Any] = {
+            "id": info.id,
+            "name": info.name,
+            "shortDescription": {"text": info.summary or info.name},
+            "fullDescription": {"text": info.summary or info.name},
+            "help": {"text": help_text or info.name, "markdown": help_text or info.name},
+            "defaultConfiguration": {"level": info.severity.sarif_level},
+            "properties": {"tags": ["correctness", "main_grad"], "precision": "high"},
+        }
+        if info.help_uri:
+            descriptor["helpUri"] = info.help_uri
+        index[rule_id] = len(rules)
+        rules.append(descriptor)
+    results = []
+    for f in report.findings:
+        region: dict[str, Any] = {
+            "startLine": f.line,
+            "startColumn": f.column,
+            "endLine": f.end_line,
+            "endColumn": f.end_column,
+        }
+        if f.snippet:
+            region["snippet"] = {"text": f.snippet}
+        results.append(
+            {
+                "ruleId": f.rule,
+                "ruleIndex": index[f.rule],
+                "level": f.severity.sarif_level,
+                "message": {"text": f.message},
+                "locations": [
+                    {
+                        "physicalLocation": {
+                            "artifactLocation": {"uri": _uri(f.path), "uriBaseId": SRCROOT},
+                            "region": region,
+                        }
+                    }
+                ],
+                "partialFingerprints": {FINGERPRINT_KEY: f.fingerprint},
+                "properties": {"fixAvailable": f.fix_available},
+            }
+        )
+    notifications = []
+    for e in report.parse_errors:
+        location: dict[str, Any] = {"artifactLocation": {"uri": _uri(e.path), "uriBaseId": SRCROOT}}
+        if e.line:
+            location["region"] = {"startLine": e.line, **({"startColumn": e.column} if e.column else {})}
+        notifications.append(
+            {
+                "level": "error",
+                "message": {"text": f"{e.path}: {e.message}"},
+                "locations": [{"physicalLocation": location}],
+                "descriptor": {"id": "parse-error"},
+            }
+        )
+    root_uri = options.root.resolve().as_uri().rstrip("/") + "/"
+    return {
+        "$schema": SARIF_SCHEMA,
+        "version": SARIF_VERSION,
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "maingrad",
+                        "version": report.tool_version,
+                        "semanticVersion": report.tool_version,
+                        "informationUri": INFORMATION_URI,
+                        "rules": rules,
+                    }
+                },
+                "originalUriBaseIds": {SRCROOT: {"uri": root_uri}},
+                "columnKind": "unicodeCodePoints",
+                "results": results,
+                "invocations": [
+                    {
+                        "executionSuccessful": not any(
+                            e.message.startswith("internal error") for e in report.parse_errors
+                        ),
+                        "toolExecutionNotifications": notifications,
+                    }
+                ],
+                "properties": {"filesScanned": report.files_scanned, "filesParsed": report.files_parsed},
+            }
+        ],
+    }
+
+
+def render_sarif(report: Report, options: OutputOptions) -> str:
+    return json.dumps(build_sarif(report, options), indent=2) + "\n"

@@ -1,0 +1,336 @@
+"""Scanning many files: read, hash, consult the cache, pre-filter, then analyze what is left (in worker
+processes when that pays off) and assemble a deterministic report.
+
+Never crashes on a file: unreadable, undecodable or unparsable files become parse errors, and a rule
+that raises becomes an internal error for that file (exit code 2) while every other file and rule still
+reports. Output order is by path and does not depend on `jobs` or on the cache.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pathspec
+from maingrad.analyzer import __version__
+from maingrad.analyzer.cache import ResultCache, content_hash
+from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID, RuleMeta
+from maingrad.analyzer.discovery import SourceFile
+from maingrad.analyzer.fileio import decode_source
+from maingrad.analyzer.progress import Progress
+from maingrad.analyzer.report import Finding, ParseError, Report, Severity
+from maingrad.analyzer.suppressions import MARKER, apply_suppressions, parse_suppressions, unused_findings
+
+# Below this many characters of source to parse, a process pool costs more than it saves.
+POOL_MIN_CHARS = 150_000
+
+
+@dataclass(frozen=True)
+class ScanSettings:
+    """Everything that decides a file's result besides its path and bytes (so: the cache key)."""
+
+    rules: tuple[RuleMeta, ...]  # the selected rules
+    known_ids: tuple[str, ...]  # every rule id maingrad knows (for unknown-code suppressions)
+    per_file_ignores: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    severities: tuple[tuple[str, str], ...] = ()
+    exposure_helpers: tuple[str, ...] = ()
+    warn_unused_ignores: bool = False
+
+    def cache_settings(self) -> dict[str, Any]:
+        return {
+            "tool": __version__,
+            "rules": [r.id for r in self.rules],
+            "known": list(self.known_ids),
+            "per_file_ignores": [list(p) for p in self.per_file_ignores],
+            "severities": list(self.severities),
+            "exposure_helpers": list(self.exposure_helpers),
+            "warn_unused_ignores": self.warn_unused_ignores,
+        }
+
+
+@dataclass
+class ScanResult:
+    report: Report
+    internal_errors: list[ParseError] = field(default_factory=list)
+    suppressed: int = 0
+    cache_hits: int = 0
+
+
+class _FileRules:
+    """The selected rules minus per-file ignores, per path."""
+
+    def __init__(self, settings: ScanSettings) -> None:
+        self.all = tuple(r.id for r in settings.rules)
+        self.needles = {r.id: r.needles for r in settings.rules}
+        self._ignores = [
+            (pathspec.GitIgnoreSpec.from_lines([glob]), frozenset(codes))
+            for glob, codes in settings.per_file_ignores
+        ]
+
+    def for_path(self, relpath: str) -> tuple[str, ...]:
+        dropped: set[str] = set()
+        for spec, codes in self._ignores:
+            if spec.match_file(relpath):
+                dropped |= {
+                    rid for rid in self.all if any(code == "ALL" or rid.startswith(code) for code in codes)
+                }
+        return tuple(rid for rid in self.all if rid not in dropped) if dropped else self.all
+
+    def needed(self, ids: Sequence[str], text: str) -> bool:
+        return any(needle in text for rid in ids for needle in self.needles[rid])
+
+
+# Per-process analysis state (set in the parent for in-process runs; inherited or rebuilt in workers).
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(settings: ScanSettings) -> None:
+    _STATE.clear()
+    _STATE["settings"] = settings
+    _STATE["instances"] = {}
+
+
+def _rule_instances(ids: Sequence[str]) -> list[Any]:
+    from maingrad.analyzer.rules import rules_by_id
+
+    instances: dict[str, Any] = _STATE["instances"]
+    registry = rules_by_id()
+    for rid in ids:
+        if rid not in instances:
+            instances[rid] = registry[rid]()
+    return [instances[rid] for rid in ids]
+
+
+def analyze_text(relpath: str, text: str, rule_ids: tuple[str, ...]) -> dict[str, Any]:
+    """One file's outcome as plain data: {"parsed", "findings", "parse_error", "internal", "suppressed"}."""
+    from maingrad.analyzer.context import RuleSettings
+    from maingrad.analyzer.engine import analyze_source
+
+    settings: ScanSettings = _STATE["settings"]
+    outcome: dict[str, Any] = {
+        "parsed": False,
+        "findings": [],
+        "parse_error": None,
+        "internal": [],
+        "suppressed": 0,
+    }
+    try:
+        result = analyze_source(
+            text,
+            relpath,
+            _rule_instances(rule_ids),
+            RuleSettings(exposure_helpers=frozenset(settings.exposure_helpers)),
+            {rid: Severity(sev) for rid, sev in settings.severities},
+            catch_rule_errors=True,
+        )
+    except Exception as exc:  # the engine itself failed on this file: report, never crash the scan
+        outcome["internal"].append(f"internal error: {type(exc).__name__}: {exc}")
+        return outcome
+    outcome["internal"] = [f"internal error: rule {message}" for message in result.rule_errors]
+    if result.parse_error is not None:
+        outcome["parse_error"] = result.parse_error.to_dict()
+        return outcome
+    outcome["parsed"] = result.parsed
+    findings, outcome["suppressed"] = _suppress(relpath, text, result.findings, result.anchors, rule_ids)
+    outcome["findings"] = [f.to_dict() for f in findings]
+    return outcome
+
+
+def _suppress(
+    relpath: str,
+    text: str,
+    findings: list[Finding],
+    anchors: dict[str, tuple[int, ...]],
+    rule_ids: Sequence[str],
+) -> tuple[list[Finding], int]:
+    settings: ScanSettings = _STATE["settings"]
+    if MARKER not in text:
+        return findings, 0
+    suppressions = parse_suppressions(text)
+    kept, suppressed = apply_suppressions(findings, anchors, suppressions)
+    if settings.warn_unused_ignores:
+        severity = dict(settings.severities).get(UNUSED_SUPPRESSION_ID)
+        kept += unused_findings(
+            suppressions,
+            relpath,
+            text,
+            rule_ids,
+            settings.known_ids,
+            Severity(severity) if severity else None,
+        )
+        kept.sort(key=lambda f: f.sort_key)
+    return kept, suppressed
+
+
+def _analyze_task(task: tuple[str, str, tuple[str, ...]]) -> dict[str, Any]:
+    return analyze_text(*task)
+
+
+def run_tasks(
+    func: Callable[[Any], Any],
+    tasks: Sequence[tuple[str, int, Any]],
+    jobs: int,
+    initializer: Callable[..., None],
+    initargs: tuple[Any, ...],
+    progress: Progress,
+) -> dict[str, Any]:
+    """Run `func(arg)` for each (key, weight, arg): in this process when the work is small or jobs == 1,
+    else in a pool of `jobs` processes, heaviest tasks first. Exceptions come back as values."""
+    results: dict[str, Any] = {}
+    total_weight = sum(weight for _, weight, _ in tasks)
+    workers = min(jobs, len(tasks))
+    if workers <= 1 or total_weight < POOL_MIN_CHARS:
+        initializer(*initargs)
+        for key, _, arg in tasks:
+            try:
+                results[key] = func(arg)
+            except Exception as exc:
+                results[key] = exc
+            progress.advance()
+        return results
+    context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
+    ordered = sorted(tasks, key=lambda t: -t[1])
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer, initargs=initargs) as pool:
+        futures: dict[Future[Any], str] = {pool.submit(func, arg): key for key, _, arg in ordered}
+        from concurrent.futures import as_completed
+
+        for future in as_completed(futures):
+            key = futures[future]
+            try:
+                results[key] = future.result()
+            except Exception as exc:  # includes BrokenProcessPool when a worker dies
+                results[key] = exc
+            progress.advance()
+    return results
+
+
+def _read(source: SourceFile) -> tuple[bytes | None, str | None]:
+    try:
+        return source.path.read_bytes(), None
+    except OSError as exc:
+        return None, f"cannot read file: {exc.strerror or exc}"
+
+
+def scan(
+    files: Sequence[SourceFile],
+    settings: ScanSettings,
+    jobs: int | None = None,
+    cache: ResultCache | None = None,
+    show_progress: bool = False,
+) -> ScanResult:
+    started = time.perf_counter()
+    jobs = jobs or os.cpu_count() or 1
+    file_rules = _FileRules(settings)
+    outcomes: dict[str, dict[str, Any]] = {}
+    digests: dict[str, str] = {}
+    pending: list[tuple[str, int, tuple[str, str, tuple[str, ...]]]] = []
+    hits = 0
+    _STATE["settings"] = settings
+    _STATE.setdefault("instances", {})
+    for source in files:
+        data, error = _read(source)
+        if data is None:
+            outcomes[source.relpath] = _error_outcome(source.relpath, error or "cannot read file")
+            continue
+        digest = digests[source.relpath] = content_hash(data)
+        cached = cache.get(source.relpath, digest) if cache is not None else None
+        if cached is not None:
+            outcomes[source.relpath] = cached
+            hits += 1
+            continue
+        try:
+            text = decode_source(data).text
+        except (UnicodeDecodeError, SyntaxError, LookupError) as exc:
+            outcomes[source.relpath] = _error_outcome(source.relpath, f"cannot decode file: {exc}")
+            continue
+        ids = file_rules.for_path(source.relpath)
+        if file_rules.needed(ids, text):
+            pending.append((source.relpath, len(text), (source.relpath, text, ids)))
+        else:
+            outcomes[source.relpath] = _unparsed_outcome(source.relpath, text, ids, settings)
+    with Progress(len(pending), "maingrad check", show_progress) as progress:
+        results = run_tasks(_analyze_task, pending, jobs, _init_worker, (settings,), progress)
+    for relpath, value in results.items():
+        if isinstance(value, BaseException):
+            value = {
+                "parsed": False,
+                "findings": [],
+                "parse_error": None,
+                "internal": [f"internal error: {type(value).__name__}: {value}"],
+                "suppressed": 0,
+            }
+        outcomes[relpath] = value
+    if cache is not None:
+        for relpath, outcome in outcomes.items():
+            if relpath in digests and not outcome.get("internal"):
+                cache.put(relpath, digests[relpath], outcome)
+        cache.save()
+    return _assemble(files, outcomes, settings, time.perf_counter() - started, hits)
+
+
+def _error_outcome(relpath: str, message: str) -> dict[str, Any]:
+    return {
+        "parsed": False,
+        "findings": [],
+        "parse_error": ParseError(relpath, message).to_dict(),
+        "internal": [],
+        "suppressed": 0,
+    }
+
+
+def _unparsed_outcome(
+    relpath: str, text: str, ids: tuple[str, ...], settings: ScanSettings
+) -> dict[str, Any]:
+    """A file no selected rule needs to parse: only its suppression comments can produce findings."""
+    outcome: dict[str, Any] = {
+        "parsed": False,
+        "findings": [],
+        "parse_error": None,
+        "internal": [],
+        "suppressed": 0,
+    }
+    if settings.warn_unused_ignores and MARKER in text:
+        findings, _ = _suppress(relpath, text, [], {}, ids)
+        outcome["findings"] = [f.to_dict() for f in findings]
+    return outcome
+
+
+def _assemble(
+    files: Sequence[SourceFile],
+    outcomes: dict[str, dict[str, Any]],
+    settings: ScanSettings,
+    duration: float,
+    hits: int,
+) -> ScanResult:
+    report = Report(tool_version=__version__)
+    report.files_scanned = len(files)
+    internal: list[ParseError] = []
+    suppressed = 0
+    for source in files:
+        outcome = outcomes[source.relpath]
+        report.files_parsed += bool(outcome["parsed"])
+        if outcome["parse_error"]:
+            report.parse_errors.append(ParseError.from_dict(outcome["parse_error"]))
+        for message in outcome["internal"]:
+            error = ParseError(source.relpath, message)
+            report.parse_errors.append(error)
+            internal.append(error)
+        report.findings.extend(Finding.from_dict(f) for f in outcome["findings"])
+        suppressed += outcome["suppressed"]
+    report.findings.sort(key=lambda f: f.sort_key)
+    severities = dict(settings.severities)
+    infos = [r.info(Severity(severities[r.id]) if r.id in severities else None) for r in settings.rules]
+    if settings.warn_unused_ignores:
+        from maingrad.analyzer.catalog import UNUSED_SUPPRESSION
+
+        sev = severities.get(UNUSED_SUPPRESSION_ID)
+        infos.insert(0, UNUSED_SUPPRESSION.info(Severity(sev) if sev else None))
+    report.rules = infos
+    report.duration_s = duration
+    return ScanResult(report=report, internal_errors=internal, suppressed=suppressed, cache_hits=hits)

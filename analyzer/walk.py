@@ -1,0 +1,152 @@
+"""Fast read-only traversal of libcst trees.
+
+`node.visit(visitor)` rebuilds every node it passes through (libcst's `_visit_and_replace_children`
+constructs a new dataclass per node even for read-only visitors), which costs about as much as parsing
+(measured: one empty visitor pass over megatron-core's 27 `main_grad` files 2.8 s, the parse 4.1 s). Rules
+only read the tree, so these helpers walk the dataclass fields directly, in the same order libcst visits
+them (source order), without constructing anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import libcst as cst
+
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields_of(kind: type) -> tuple[str, ...]:
+    """The fields that may hold child nodes, in libcst's visiting order (the order in which
+    `_visit_and_replace_children` names them, read from its code object)."""
+    names = [f.name for f in dataclasses.fields(kind)]
+    order: list[str] = []
+    code = getattr(kind._visit_and_replace_children, "__code__", None)
+    if code is not None:
+        for const in code.co_consts:
+            if isinstance(const, str) and const in names and const not in order:
+                order.append(const)
+    order += [name for name in names if name not in order]  # non-node fields: harmless, filtered at run time
+    _CHILD_FIELDS[kind] = fields = tuple(order)
+    return fields
+
+
+def children(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """Direct children in source order (same as `node.children`, without rebuilding the node)."""
+    fields = _CHILD_FIELDS.get(type(node)) or _fields_of(type(node))
+    out: list[cst.CSTNode] = []
+    for name in fields:
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode):
+            out.append(value)
+        elif type(value) is tuple or type(value) is list:
+            out.extend(item for item in value if isinstance(item, cst.CSTNode))
+    return out
+
+
+def walk(root: cst.CSTNode, prune: Callable[[cst.CSTNode], bool] | None = None) -> Iterator[cst.CSTNode]:
+    """Every node under `root` (included) in pre-order/source order. `prune(node)` true: do not descend
+    below `node` (it is still yielded)."""
+    stack = [root]
+    get = _CHILD_FIELDS.get
+    node_type = cst.CSTNode
+    while stack:
+        node = stack.pop()
+        yield node
+        if prune is not None and node is not root and prune(node):
+            continue
+        fields = get(type(node)) or _fields_of(type(node))
+        kids: list[cst.CSTNode] = []
+        for name in fields:
+            value = getattr(node, name)
+            if isinstance(value, node_type):
+                kids.append(value)
+            elif type(value) is tuple or type(value) is list:
+                kids.extend(item for item in value if isinstance(item, node_type))
+        kids.reverse()
+        stack.extend(kids)
+
+
+def find(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
+    """Nodes of `kinds` under `root` (included), in source order."""
+    return [node for node in walk(root) if isinstance(node, kinds)]
+
+
+_SCOPES = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
+
+
+def find_own(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
+    """Like `find`, but not inside function/class/lambda definitions nested in `root` (the nested
+    definition node itself is still returned when it is of `kinds`)."""
+    return [node for node in walk(root, lambda n: isinstance(n, _SCOPES)) if isinstance(node, kinds)]
+
+
+def parent_map(root: cst.CSTNode) -> dict[cst.CSTNode, cst.CSTNode]:
+    parents: dict[cst.CSTNode, cst.CSTNode] = {}
+    stack = [root]
+    get = _CHILD_FIELDS.get
+    node_type = cst.CSTNode
+    while stack:
+        node = stack.pop()
+        fields = get(type(node)) or _fields_of(type(node))
+        for name in fields:
+            value = getattr(node, name)
+            if isinstance(value, node_type):
+                parents[value] = node
+                stack.append(value)
+            elif type(value) is tuple or type(value) is list:
+                for item in value:
+                    if isinstance(item, node_type):
+                        parents[item] = node
+                        stack.append(item)
+    return parents
+
+
+def visit(root: cst.CSTNode, visitor: cst.CSTVisitor) -> cst.CSTVisitor:
+    """Run a read-only `CSTVisitor`'s `visit_<Node>`/`leave_<Node>` methods (and `on_visit`/`on_leave`
+    overrides) over `root` like `root.visit(visitor)` does, without rebuilding nodes. Attribute hooks
+    (`visit_<Node>_<field>`) are not called."""
+    own_on_visit = type(visitor).on_visit is not cst.CSTVisitor.on_visit
+    own_on_leave = type(visitor).on_leave is not cst.CSTVisitor.on_leave
+    visit_cache: dict[type, Callable[[cst.CSTNode], object] | None] = {}
+    leave_cache: dict[type, Callable[[cst.CSTNode], object] | None] = {}
+
+    def enter(node: cst.CSTNode) -> bool:
+        if own_on_visit:
+            return visitor.on_visit(node) is not False
+        kind = type(node)
+        if kind not in visit_cache:
+            visit_cache[kind] = getattr(visitor, f"visit_{kind.__name__}", None)
+        method = visit_cache[kind]
+        return method is None or method(node) is not False
+
+    def leave(node: cst.CSTNode) -> None:
+        if own_on_leave:
+            visitor.on_leave(node)
+            return
+        kind = type(node)
+        if kind not in leave_cache:
+            leave_cache[kind] = getattr(visitor, f"leave_{kind.__name__}", None)
+        method = leave_cache[kind]
+        if method is not None:
+            method(node)
+
+    # Iterative to survive deep trees: (node, children iterator or None before entering)
+    stack: list[tuple[cst.CSTNode, Iterator[cst.CSTNode] | None]] = [(root, None)]
+    while stack:
+        node, kids = stack[-1]
+        if kids is None:
+            if not enter(node):
+                stack.pop()
+                leave(node)
+                continue
+            kids = iter(children(node))
+            stack[-1] = (node, kids)
+        child = next(kids, None)
+        if child is None:
+            stack.pop()
+            leave(node)
+        else:
+            stack.append((child, None))
+    return visitor
