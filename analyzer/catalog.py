@@ -146,6 +146,9 @@ def load_catalog(cache_dir: Path | None) -> tuple[RuleMeta, ...]:
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps([r.to_dict() for r in rules]).encode("utf-8"))
+        for old in cache_dir.glob("catalog-*.json"):  # catalogs of sources that no longer exist
+            if old != path:
+                old.unlink(missing_ok=True)
     except OSError:
         pass  # a read-only tree just runs without a cached catalog
     return rules

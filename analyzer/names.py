@@ -24,6 +24,10 @@ def dotted_name(node: cst.BaseExpression | cst.CSTNode) -> str | None:
     return None
 
 
+def _is_expression(node: cst.CSTNode) -> bool:
+    return isinstance(node, cst.BaseExpression)
+
+
 def _module_name(node: cst.BaseExpression | None) -> str:
     if node is None:
         return ""
@@ -40,8 +44,18 @@ class NameResolver(cst.CSTVisitor):
 
     @classmethod
     def for_module(cls, module: cst.Module, package: str | None = None) -> NameResolver:
+        """Resolve with one fast walk over the statements only (imports and assignments are never inside
+        expressions), in source order, calling the same handlers a `module.visit(resolver)` would."""
+        from maingrad.analyzer.walk import walk
+
         resolver = cls(package)
-        module.visit(resolver)
+        for node in walk(module, _is_expression):
+            if isinstance(node, cst.Import):
+                resolver.visit_Import(node)
+            elif isinstance(node, cst.ImportFrom):
+                resolver.visit_ImportFrom(node)
+            elif isinstance(node, cst.Assign):
+                resolver.visit_Assign(node)
         return resolver
 
     # Imports -------------------------------------------------------------------------------------------

@@ -21,13 +21,12 @@ class OutputOptions:
     fixable: frozenset[str] = frozenset()  # fingerprints whose fix `maingrad fix` applies by default
 
     def display_path(self, relpath: str) -> str:
-        """A report path as the user's shell sees it (relative to the working directory when possible)."""
-        absolute = self.root / relpath
-        try:
-            shown = os.path.relpath(absolute, self.cwd)
-        except ValueError:  # another drive on Windows
-            return str(absolute)
-        return shown if not shown.startswith("../../..") else str(absolute)
+        """A report path as the user's shell sees it: relative to the working directory when under it."""
+        absolute = Path(os.path.normpath(self.root / relpath))
+        cwd = self.cwd.resolve()
+        if absolute == cwd or cwd in absolute.parents:
+            return absolute.relative_to(cwd).as_posix()
+        return str(absolute)
 
     def rule_meta(self, rule_id: str) -> RuleMeta | None:
         return next((r for r in self.rules if r.id == rule_id), None)
