@@ -1,0 +1,73 @@
+"""FastAPI dependencies: settings, database sessions, the caller and their access to a project."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Path, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from maingrad.service import auth
+from maingrad.service.config import Settings
+from maingrad.service.db import Database
+from maingrad.service.models import Project
+from sqlalchemy.orm import Session
+
+bearer = HTTPBearer(
+    auto_error=False, description="A maingrad token: `mgp_...` (project) or `mga_...` (admin)."
+)
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_db(request: Request) -> Database:
+    return request.app.state.db
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """A read session for the request (writes go through Database.writing in the service modules)."""
+    with request.app.state.db.read() as session:
+        yield session
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+DbDep = Annotated[Database, Depends(get_db)]
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def get_principal(
+    request: Request,
+    session: SessionDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None,
+) -> auth.Principal:
+    token = credentials.credentials if credentials is not None else None
+    return auth.authenticate(session, request.app.state.db, request.app.state.settings, token)
+
+
+PrincipalDep = Annotated[auth.Principal, Depends(get_principal)]
+
+
+@dataclass(frozen=True)
+class Access:
+    principal: auth.Principal
+    project: Project
+
+
+ProjectName = Annotated[str, Path(description="Project name.", examples=["demo"], max_length=200)]
+
+
+def _access(scope: str):  # type: ignore[no-untyped-def]
+    def dependency(project: ProjectName, principal: PrincipalDep, session: SessionDep) -> Access:
+        return Access(principal, auth.authorize(session, principal, project, scope))
+
+    dependency.__name__ = f"require_{scope}"
+    return dependency
+
+
+ReadAccess = Annotated[Access, Depends(_access("read"))]
+UploadAccess = Annotated[Access, Depends(_access("upload"))]
+TriageAccess = Annotated[Access, Depends(_access("triage"))]
+AdminAccess = Annotated[Access, Depends(_access("admin"))]

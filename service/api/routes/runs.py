@@ -1,0 +1,148 @@
+"""Runtime records from maingrad.hooks in; runs, timelines and aggregates out."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Request
+from fastapi.concurrency import run_in_threadpool
+from maingrad.service import records
+from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep, UploadAccess
+from maingrad.service.api.params import CursorQuery, LimitQuery, OptionalCommitQuery
+from maingrad.service.bodies import decode_content, read_body
+from maingrad.service.metrics import REGISTRY
+from maingrad.service.models import Record, Run
+from maingrad.service.pagination import decode_cursor, encode_cursor
+from maingrad.service.problems import ProblemError
+from maingrad.service.schemas import Page, RecordOut, RecordsIngested, RunDetail, RunOut, Timeline
+from sqlalchemy import select
+
+router = APIRouter(tags=["runtime"])
+
+RunName = Annotated[str, Path(min_length=1, max_length=255, description="Run id (the hooks' `run`).")]
+
+_NDJSON_BODY = {
+    "required": True,
+    "description": "One record (DESIGN.md §4, schema 1) per line; re-sent records are ignored by `id`. "
+    "`Content-Encoding: gzip` is accepted.",
+    "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+}
+
+
+def run_out(run: Run) -> dict[str, Any]:
+    return {
+        "name": run.name,
+        "commit_sha": run.commit_sha,
+        "created_at": run.created_at,
+        "last_record_at": run.last_record_at,
+        "record_count": int(run.record_count),
+    }
+
+
+@router.post(
+    "/projects/{project}/runs/{run}/records",
+    response_model=RecordsIngested,
+    summary="Append a batch of runtime records (NDJSON)",
+    openapi_extra={"requestBody": _NDJSON_BODY},
+    responses={
+        409: {"description": "The run belongs to another commit."},
+        413: {"description": "Too large."},
+    },
+)
+async def post_records(
+    run: RunName,
+    request: Request,
+    access: UploadAccess,
+    db: DbDep,
+    settings: SettingsDep,
+    commit_sha: OptionalCommitQuery = None,
+) -> dict[str, Any]:
+    raw = await read_body(request, settings.max_records_body_bytes)
+    body = decode_content(raw, request.headers.get("content-encoding"), settings.max_decompressed_bytes)
+    result = await run_in_threadpool(
+        records.ingest,
+        db,
+        access.project,
+        run,
+        commit_sha.lower() if commit_sha else None,
+        body,
+        settings.max_records_per_batch,
+    )
+    REGISTRY.inc("maingrad_records_ingested_total", result["inserted"])
+    if result["duplicates"]:
+        REGISTRY.inc("maingrad_records_duplicate_total", result["duplicates"])
+    return result
+
+
+def _run(session: Any, access: Any, name: str) -> Run:
+    run = session.execute(
+        select(Run).where(Run.project_id == access.project.id, Run.name == name)
+    ).scalar_one_or_none()
+    if run is None:
+        raise ProblemError(404, "run_not_found", f"no run {name!r} in this project")
+    return run
+
+
+@router.get("/projects/{project}/runs", response_model=Page[RunOut], summary="Runs, newest first")
+def list_runs(
+    access: ReadAccess,
+    session: SessionDep,
+    commit_sha: OptionalCommitQuery = None,
+    cursor: CursorQuery = None,
+    limit: LimitQuery = 50,
+) -> dict[str, Any]:
+    query = select(Run).where(Run.project_id == access.project.id).order_by(Run.id.desc())
+    if commit_sha:
+        query = query.where(Run.commit_sha == commit_sha.lower())
+    before = decode_cursor(cursor)
+    if before is not None:
+        query = query.where(Run.id < before)
+    rows = list(session.execute(query.limit(limit + 1)).scalars())
+    nxt = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
+    return {"items": [run_out(r) for r in rows[:limit]], "next_cursor": nxt}
+
+
+@router.get(
+    "/projects/{project}/runs/{run}",
+    response_model=RunDetail,
+    summary="A run with per-module and per-rank aggregates",
+)
+def get_run(run: RunName, access: ReadAccess, session: SessionDep) -> dict[str, Any]:
+    row = _run(session, access, run)
+    return {
+        **run_out(row),
+        "steps": records.step_count(session, row),
+        "modules": records.aggregates(session, row, Record.module),
+        "ranks": records.aggregates(session, row, Record.rank),
+        "anomalies": records.anomalies(session, row),
+    }
+
+
+@router.get(
+    "/projects/{project}/runs/{run}/timeline", response_model=Timeline, summary="Per-step counts of a run"
+)
+def get_timeline(run: RunName, access: ReadAccess, session: SessionDep) -> dict[str, Any]:
+    row = _run(session, access, run)
+    return {"run": row.name, "commit_sha": row.commit_sha, "points": records.timeline(session, row)}
+
+
+@router.get(
+    "/projects/{project}/runs/{run}/records", response_model=Page[RecordOut], summary="A run's raw records"
+)
+def list_records(
+    run: RunName, access: ReadAccess, session: SessionDep, cursor: CursorQuery = None, limit: LimitQuery = 100
+) -> dict[str, Any]:
+    row = _run(session, access, run)
+    query = (
+        select(Record.id, Record.record_key, Record.raw).where(Record.run_id == row.id).order_by(Record.id)
+    )
+    after = decode_cursor(cursor)
+    if after is not None:
+        query = query.where(Record.id > after)
+    rows = list(session.execute(query.limit(limit + 1)).all())
+    nxt = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
+    return {
+        "items": [{"id": r.record_key, "record": json.loads(r.raw)} for r in rows[:limit]],
+        "next_cursor": nxt,
+    }

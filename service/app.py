@@ -1,0 +1,144 @@
+"""The FastAPI application: API v1, dashboard, health and metrics.
+
+`create_app()` reads settings from the environment; the lifespan migrates the database (an empty one gets
+the whole schema) and, when no admin credential exists at all, mints a bootstrap admin token and logs it
+once, so `maingrad serve` works with zero setup.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.openapi.utils import get_openapi
+from maingrad.service import auth, migrate, problems
+from maingrad.service.api.routes import alerts, gate, health, projects, reports, runs
+from maingrad.service.config import Settings
+from maingrad.service.db import Database
+from maingrad.service.metrics import MetricsMiddleware
+from maingrad.service.models import Token
+from maingrad.service.schemas import Problem
+from sqlalchemy import select
+
+log = logging.getLogger("maingrad.service")
+API_PREFIX = "/api/v1"
+
+
+def api_router() -> APIRouter:
+    router = APIRouter(prefix=API_PREFIX)
+    for module in (projects, reports, gate, runs, alerts):
+        router.include_router(module.router)
+    return router
+
+
+def bootstrap_admin(db: Database, settings: Settings) -> str | None:
+    """Mint an admin token when there is no way at all to authenticate as admin; returns it (once)."""
+    if settings.admin_token is not None and settings.admin_token.get_secret_value():
+        return None
+    with db.writing() as session:
+        exists = session.execute(
+            select(Token.id).where(Token.project_id.is_(None), Token.revoked_at.is_(None)).limit(1)
+        ).first()
+        if exists is not None:
+            return None
+        _row, secret = auth.create_token(session, settings, None, ["admin"], "bootstrap-admin")
+        return secret
+
+
+def prepare_database(settings: Settings) -> Database:
+    db = Database.from_settings(settings)
+    migrate.upgrade(db.engine)
+    return db
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = prepare_database(settings)
+        app.state.db = db
+        secret = bootstrap_admin(db, settings)
+        if secret:
+            log.warning("bootstrap admin token (shown once; create projects with it): %s", secret)
+        try:
+            yield
+        finally:
+            db.dispose()
+
+    app = FastAPI(
+        title="maingrad service",
+        version="1",
+        summary="Stores maingrad reports (and any tool's SARIF) and runtime records; answers CI.",
+        openapi_url=f"{API_PREFIX}/openapi.json",
+        docs_url=None,  # Swagger UI and ReDoc load from a CDN; the machines have no internet
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    problems.install(app)
+    app.add_middleware(MetricsMiddleware)
+    app.include_router(health.router)
+    app.include_router(api_router())
+    from maingrad.service.dashboard.routes import mount as mount_dashboard
+
+    mount_dashboard(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+_PROBLEM_REF = {"$ref": "#/components/schemas/Problem"}
+_ERRORS = {
+    "401": "Missing, malformed, unknown, revoked or expired token.",
+    "403": "The token lacks the scope.",
+    "404": "No such project visible to this token (or no such resource in it).",
+    "422": "Invalid request (see `errors` / `code`).",
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with every error documented as application/problem+json (RFC 9457)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title,
+        version=app.version,
+        summary=app.summary,
+        routes=app.routes,
+        description=app.description,
+    )
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["Problem"] = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    for path, item in schema.get("paths", {}).items():
+        for method, op in item.items():
+            responses = op.setdefault("responses", {})
+            if path.startswith(API_PREFIX):
+                for code, text in _ERRORS.items():
+                    responses.setdefault(code, {"description": text})
+            for code, resp in responses.items():
+                if code.isdigit() and int(code) >= 400:
+                    resp["content"] = {problems.PROBLEM_JSON: {"schema": _PROBLEM_REF}}
+                    if resp.get("description") in (None, "", "Validation Error"):
+                        resp["description"] = _ERRORS.get(code, "Error.")
+            if method in ("post", "patch", "put") and path.startswith(API_PREFIX):
+                responses.setdefault(
+                    "413",
+                    {
+                        "description": "Request body too large.",
+                        "content": {problems.PROBLEM_JSON: {"schema": _PROBLEM_REF}},
+                    },
+                )
+                responses.setdefault(
+                    "415",
+                    {
+                        "description": "Unsupported Content-Encoding.",
+                        "content": {problems.PROBLEM_JSON: {"schema": _PROBLEM_REF}},
+                    },
+                )
+    app.openapi_schema = schema
+    return schema

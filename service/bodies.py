@@ -1,0 +1,93 @@
+"""Reading request bodies under limits: wire size, and decompressed size for gzip (zip-bomb safe).
+
+The body is streamed: we stop reading past the wire limit even when Content-Length lies or is absent,
+and gzip is inflated incrementally with `max_length`, so a 10 MB bomb never expands past the cap in memory.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from maingrad.service.problems import ProblemError
+from starlette.requests import Request
+
+_CHUNK = 256 * 1024
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > max_bytes:
+                raise _too_large(max_bytes)
+        except ValueError:
+            raise ProblemError(400, "invalid_content_length", "Content-Length is not an integer") from None
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _too_large(limit: int) -> ProblemError:
+    return ProblemError(413, "body_too_large", f"request body exceeds {limit} bytes", limit=limit)
+
+
+def decode_content(body: bytes, encoding: str | None, max_decompressed: int) -> bytes:
+    """Undo Content-Encoding (identity or gzip) with a hard cap on the inflated size."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding in ("", "identity"):
+        if len(body) > max_decompressed:
+            raise ProblemError(
+                413,
+                "decompressed_too_large",
+                f"body exceeds {max_decompressed} bytes",
+                limit=max_decompressed,
+            )
+        return body
+    if encoding not in ("gzip", "x-gzip"):
+        raise ProblemError(
+            415, "unsupported_encoding", f"Content-Encoding {encoding!r} is not supported (use gzip)"
+        )
+    return gunzip_capped(body, max_decompressed)
+
+
+def gunzip_capped(data: bytes, limit: int) -> bytes:
+    out = bytearray()
+    remaining = data
+    try:
+        while remaining:
+            inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            pending = remaining
+            while pending:
+                room = limit - len(out)
+                chunk = inflater.decompress(pending, min(_CHUNK, room + 1))
+                out += chunk
+                if len(out) > limit:
+                    raise ProblemError(
+                        413, "decompressed_too_large", f"decompressed body exceeds {limit} bytes", limit=limit
+                    )
+                pending = inflater.unconsumed_tail
+                if inflater.eof:
+                    break
+                if not chunk and not pending:
+                    break
+            while not inflater.eof:  # flush what is buffered, still under the cap
+                room = limit - len(out)
+                chunk = inflater.decompress(b"", min(_CHUNK, room + 1))
+                if not chunk:
+                    break
+                out += chunk
+                if len(out) > limit:
+                    raise ProblemError(
+                        413, "decompressed_too_large", f"decompressed body exceeds {limit} bytes", limit=limit
+                    )
+            if not inflater.eof:
+                raise ProblemError(422, "invalid_gzip", "gzip stream is truncated")
+            remaining = inflater.unused_data  # concatenated gzip members are one stream (RFC 1952)
+    except zlib.error as exc:
+        raise ProblemError(422, "invalid_gzip", f"gzip stream is corrupt: {exc}") from None
+    return bytes(out)

@@ -1,0 +1,363 @@
+"""`maingrad serve | upload | gate | token`: the service's commands.
+
+Imports stay lazy: registering these commands costs nothing, so `maingrad check` never imports FastAPI,
+SQLAlchemy or uvicorn. `upload` and `gate` talk to a server when given `--url` (or MAINGRAD_URL) and
+otherwise run in-process on the database (default: the SQLite file maingrad.db in the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+_PROJECT_OK = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def register(subparsers: Any) -> None:
+    serve = subparsers.add_parser("serve", help="run the maingrad service (API, dashboard, CI gate)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--database-url", help="default: $MAINGRAD_DATABASE_URL or sqlite:///maingrad.db")
+    serve.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--no-access-log", action="store_true", help="skip per-request log lines (faster)")
+    serve.set_defaults(handler=cmd_serve)
+
+    upload = subparsers.add_parser("upload", help="upload a report (maingrad JSON or SARIF) for a commit")
+    upload.add_argument("report", help="report file, or - for stdin")
+    _remote_args(upload)
+    upload.add_argument("--commit", help="commit SHA (default: from CI variables or git)")
+    upload.add_argument("--branch", help="branch (default: from CI variables or git)")
+    upload.add_argument("--category", help="analysis category (default: the tool's name)")
+    upload.add_argument("--idempotency-key")
+    upload.set_defaults(handler=cmd_upload)
+
+    gate = subparsers.add_parser(
+        "gate", help="the CI gate for a commit (exit 0 pass/neutral, 1 fail, 2 error)"
+    )
+    _remote_args(gate)
+    gate.add_argument("--commit", help="commit SHA (default: from CI variables or git)")
+    gate.add_argument("--base", help="baseline commit (default: latest analysis on the default branch)")
+    gate.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS", help="poll while the gate is pending"
+    )
+    gate.add_argument("--format", choices=("text", "json"), default="text")
+    gate.set_defaults(handler=cmd_gate)
+
+    token = subparsers.add_parser("token", help="create, revoke or list API tokens")
+    token_sub = token.add_subparsers(dest="token_command", metavar="ACTION")
+    create = token_sub.add_parser("create", help="mint a token (printed once)")
+    _remote_args(create)
+    create.add_argument("--admin", action="store_true", help="an instance-wide admin token (local mode only)")
+    create.add_argument(
+        "--scope",
+        action="append",
+        choices=("upload", "read", "triage", "admin"),
+        help="repeatable (default: upload, read)",
+    )
+    create.add_argument("--name", default="")
+    create.add_argument("--expires-in-days", type=int)
+    create.set_defaults(handler=cmd_token_create)
+    revoke = token_sub.add_parser("revoke", help="revoke a token by id")
+    _remote_args(revoke)
+    revoke.add_argument("token_id", type=int)
+    revoke.set_defaults(handler=cmd_token_revoke)
+    listing = token_sub.add_parser("list", help="list tokens (local mode)")
+    listing.add_argument("--project")
+    listing.add_argument("--database-url")
+    listing.set_defaults(handler=cmd_token_list)
+    token.set_defaults(handler=lambda args: (token.print_help(sys.stderr), EXIT_ERROR)[1])
+
+
+def _remote_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", help="server URL (default: $MAINGRAD_URL; none: work on the database directly)"
+    )
+    parser.add_argument("--token", help="API token (default: $MAINGRAD_TOKEN)")
+    parser.add_argument("--project", help="project (default: $MAINGRAD_PROJECT or the git repository's name)")
+    parser.add_argument(
+        "--database-url", help="local mode: default $MAINGRAD_DATABASE_URL or sqlite:///maingrad.db"
+    )
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    value = out.stdout.strip()
+    return value if out.returncode == 0 and value else None
+
+
+def detect_commit() -> str | None:
+    for var in ("MAINGRAD_COMMIT", "GITHUB_SHA", "CI_COMMIT_SHA", "BUILDKITE_COMMIT", "GIT_COMMIT"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return _git("rev-parse", "HEAD")
+
+
+def detect_branch() -> str | None:
+    for var in (
+        "MAINGRAD_BRANCH",
+        "GITHUB_HEAD_REF",
+        "GITHUB_REF_NAME",
+        "CI_COMMIT_REF_NAME",
+        "BUILDKITE_BRANCH",
+    ):
+        if os.environ.get(var):
+            return os.environ[var]
+    branch = _git("rev-parse", "--abbrev-ref", "HEAD")
+    return None if branch in (None, "HEAD") else branch
+
+
+def detect_default_branch() -> str:
+    ref = _git("symbolic-ref", "--short", "refs/remotes/origin/HEAD")
+    return ref.split("/", 1)[1] if ref and "/" in ref else "main"
+
+
+def detect_project() -> str:
+    if os.environ.get("MAINGRAD_PROJECT"):
+        return os.environ["MAINGRAD_PROJECT"]
+    top = _git("rev-parse", "--show-toplevel")
+    name = Path(top).name if top else Path.cwd().name
+    return _PROJECT_OK.sub("-", name).strip("-._")[:100] or "default"
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from maingrad.service.config import Settings
+
+    overrides = {"database_url": args.database_url} if getattr(args, "database_url", None) else {}
+    return Settings(**overrides)
+
+
+def _remote(args: argparse.Namespace) -> Any:
+    url = getattr(args, "url", None) or os.environ.get("MAINGRAD_URL")
+    if not url:
+        return None
+    from maingrad.service.client import Client
+
+    return Client(url, getattr(args, "token", None) or os.environ.get("MAINGRAD_TOKEN"))
+
+
+def _err(message: str) -> int:
+    print(f"maingrad: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+# --- commands ------------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    if args.database_url:
+        os.environ["MAINGRAD_DATABASE_URL"] = args.database_url
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    uvicorn.run(
+        "maingrad.service.app:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+    )
+    return EXIT_OK
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    try:
+        data = sys.stdin.buffer.read() if args.report == "-" else Path(args.report).read_bytes()
+    except OSError as exc:
+        return _err(f"cannot read {args.report}: {exc}")
+    commit = args.commit or detect_commit()
+    if not commit:
+        return _err("no commit: pass --commit (not in a git repository, no CI variable)")
+    branch = args.branch or detect_branch()
+    project = args.project or detect_project()
+    client = _remote(args)
+    if client is not None:
+        from maingrad.service.client import ClientError
+
+        try:
+            status, body = client.upload(
+                project,
+                data,
+                commit_sha=commit,
+                branch=branch,
+                category=args.category,
+                idempotency_key=args.idempotency_key,
+            )
+        except ClientError as exc:
+            return _err(f"upload failed: {exc} {json.dumps(exc.problem) if exc.problem else ''}")
+    else:
+        from maingrad.service import local
+        from maingrad.service.problems import ProblemError
+
+        try:
+            status, body = local.upload(
+                _settings(args),
+                project,
+                data,
+                commit_sha=commit.lower(),
+                branch=branch,
+                category=args.category,
+                default_branch=detect_default_branch(),
+                idempotency_key=args.idempotency_key,
+            )
+        except ProblemError as exc:
+            return _err(f"upload rejected ({exc.status} {exc.code}): {exc.detail}")
+    print(
+        f"maingrad upload: analysis {body['id']} {body['outcome']} for {project}@{body['commit_sha'][:12]} "
+        f"[{body['category']}] with {body['results_count']} results"
+    )
+    return EXIT_OK
+
+
+def _print_gate(body: dict[str, Any]) -> None:
+    base = body["baseline"]
+    base_text = (
+        f"{base['commit_sha'][:12]} ({base['how']})" if base["commit_sha"] else "none (every finding is new)"
+    )
+    print(
+        f"maingrad gate: {body['status'].upper()}  {body['project']}@{body['commit_sha'][:12]}  baseline {base_text}"
+    )
+    if body.get("reason"):
+        print(f"  {body['reason']}")
+    for cond in body["conditions"]:
+        mark = "ok  " if cond["passed"] else "FAIL"
+        print(f"  [{mark}] {cond['description']}: {cond['actual']} ({cond['operator']} {cond['threshold']})")
+    s = body["summary"]
+    print(f"  new {s['new']} (failing {s['new_failing']}), unchanged {s['unchanged']}, fixed {s['fixed']}")
+    for f in body["new"]:
+        loc = f"{f['path']}:{f['start_line']}" if f.get("start_line") else f["path"]
+        flag = " (dismissed)" if f.get("dismissed") else ""
+        print(f"  new   {f['level']:<7} {f['rule']:<8} {loc}: {f['message']}{flag}")
+    for f in body["fixed"]:
+        loc = f"{f['path']}:{f['start_line']}" if f.get("start_line") else f["path"]
+        print(f"  fixed {f['level']:<7} {f['rule']:<8} {loc}: {f['message']}")
+    rt = body.get("runtime") or {}
+    if rt.get("runs"):
+        print(f"  runtime: {len(rt['runs'])} run(s), {rt['records']} records, {rt['anomalies']} anomalies")
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    commit = args.commit or detect_commit()
+    if not commit:
+        return _err("no commit: pass --commit")
+    project = args.project or detect_project()
+    client = _remote(args)
+    deadline = time.monotonic() + max(args.wait, 0.0)
+    while True:
+        if client is not None:
+            from maingrad.service.client import ClientError
+
+            try:
+                body = client.gate(project, commit, args.base)
+            except ClientError as exc:
+                if exc.status == 0 and time.monotonic() < deadline:
+                    time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
+                    continue
+                return _err(f"gate failed: {exc}")
+        else:
+            from maingrad.service import local
+
+            body = local.gate(
+                _settings(args), project, commit.lower(), args.base.lower() if args.base else None
+            )
+            if body is None:
+                return _err(f"no project {project!r} in the database")
+        if body["status"] != "pending" or time.monotonic() >= deadline:
+            break
+        time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
+    if args.format == "json":
+        print(json.dumps(body, indent=2))
+    else:
+        _print_gate(body)
+    if body["status"] in ("pass", "neutral"):
+        return EXIT_OK
+    if body["status"] == "fail":
+        return EXIT_FAIL
+    if body["status"] == "pending":
+        print(f"maingrad gate: still pending after {args.wait:g}s", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    scopes = sorted(set(args.scope or ["upload", "read"]))
+    client = _remote(args)
+    if client is not None:
+        if args.admin:
+            return _err("admin tokens are created in local mode only (on the server's database)")
+        from maingrad.service.client import ClientError
+
+        try:
+            body = client.create_token(
+                args.project or detect_project(), scopes, args.name, args.expires_in_days
+            )
+        except ClientError as exc:
+            return _err(f"token create failed: {exc}")
+        print(body["token"])
+        print(
+            f"token {body['id']} for {body['project']} scopes {','.join(body['scopes'])} (shown once)",
+            file=sys.stderr,
+        )
+        return EXIT_OK
+    from maingrad.service import local
+
+    project = None if args.admin else (args.project or detect_project())
+    row, secret = local.create_token(
+        _settings(args), project, ["admin"] if args.admin else scopes, args.name, args.expires_in_days
+    )
+    print(secret)
+    what = "instance admin" if project is None else f"project {project}, scopes {row.scopes}"
+    print(f"token {row.id} ({what}) created; it is shown once", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    client = _remote(args)
+    if client is not None:
+        from maingrad.service.client import ClientError
+
+        try:
+            client.revoke_token(args.project or detect_project(), args.token_id)
+        except ClientError as exc:
+            return _err(f"token revoke failed: {exc}")
+        print(f"token {args.token_id} revoked")
+        return EXIT_OK
+    from maingrad.service import local
+
+    row = local.revoke_token(_settings(args), args.token_id)
+    if row is None:
+        return _err(f"no token {args.token_id}")
+    print(f"token {args.token_id} revoked")
+    return EXIT_OK
+
+
+def cmd_token_list(args: argparse.Namespace) -> int:
+    from maingrad.service import local
+
+    for row, project in local.list_tokens(_settings(args), args.project):
+        state = (
+            "revoked"
+            if row.revoked_at
+            else ("expired" if row.expires_at and row.expires_at.timestamp() < time.time() else "active")
+        )
+        print(
+            f"{row.id:>5}  {row.prefix}…  {project or '(instance)':<20} {row.scopes:<28} {state:<8} {row.name}"
+        )
+    return EXIT_OK

@@ -1,0 +1,71 @@
+"""Settings from the environment (prefix MAINGRAD_), so one image serves SQLite and PostgreSQL unchanged."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1024 * 1024
+
+
+class Settings(BaseSettings):
+    """Every knob of the service. Limits default to what GitHub code scanning accepts for SARIF."""
+
+    model_config = SettingsConfigDict(env_prefix="MAINGRAD_", extra="ignore")
+
+    database_url: str = "sqlite:///maingrad.db"
+    # Key of the HMAC that stores tokens. Unset: read (or create, mode 0600) `secret_file`.
+    secret: SecretStr | None = None
+    secret_file: str = "maingrad.secret"
+    # A bootstrap admin token accepted on every project (compared through the same HMAC).
+    admin_token: SecretStr | None = None
+
+    max_body_bytes: int = Field(10 * MiB, ge=1024)
+    max_decompressed_bytes: int = Field(256 * MiB, ge=1024)
+    max_runs: int = Field(20, ge=1)
+    max_results_per_run: int = Field(25_000, ge=1)
+    max_records_body_bytes: int = Field(32 * MiB, ge=1024)
+    max_records_per_batch: int = Field(10_000, ge=1)
+    max_gate_findings: int = Field(1_000, ge=1)
+
+    gate_fail_severity: str = Field("error", pattern="^(info|warning|error)$")
+    gate_fail_on_runtime_anomalies: bool = True
+    # Lines within which a finding with the same rule, path and message counts as the same finding.
+    match_line_window: int = Field(3, ge=0)
+
+    public_dashboard: bool = False
+    sqlite_busy_timeout_ms: int = Field(30_000, ge=0)
+    db_pool_size: int = Field(10, ge=1)
+    idempotency_ttl_hours: int = Field(24, ge=1)
+    log_level: str = "info"
+
+    @cached_property
+    def hmac_key(self) -> bytes:
+        """The token-hashing key; a persisted random file when MAINGRAD_SECRET is unset (zero setup)."""
+        if self.secret is not None and self.secret.get_secret_value():
+            return self.secret.get_secret_value().encode("utf-8")
+        return load_or_create_secret(Path(self.secret_file)).encode("utf-8")
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+def load_or_create_secret(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        pass
+    value = secrets.token_urlsafe(48)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process won the race: use its secret
+        return path.read_text(encoding="utf-8").strip()
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(value + "\n")
+    return value

@@ -1,0 +1,310 @@
+"""The CI gate, recomputed on every read from what is stored (nothing cached can go stale).
+
+Status: `pending` while nothing for the commit (or its explicit baseline) has arrived; `error` when an
+uploaded tool run says it failed; `fail` when a condition fails (new findings at or above the policy
+severity that nobody dismissed, or runtime anomalies recorded for the commit); `neutral` when there is
+nothing to judge (only runtime records without anomalies, or analyses that scanned no file); else `pass`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from maingrad.service.config import Settings
+from maingrad.service.matching import Item, Matching, match
+from maingrad.service.models import Alert, Analysis, Finding, Project, Record, Run
+from maingrad.service.parsing import LEVEL_RANK
+from maingrad.service.reports import analysis_dict
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+_FINDING_COLUMNS = (
+    Finding.analysis_id,
+    Finding.run_index,
+    Finding.fingerprint,
+    Finding.context_hash,
+    Finding.rule,
+    Finding.level,
+    Finding.path,
+    Finding.start_line,
+    Finding.start_column,
+    Finding.end_line,
+    Finding.end_column,
+    Finding.message,
+    Finding.snippet,
+    Finding.suppressed,
+)
+_SEVERITY = {"info": LEVEL_RANK["note"], "warning": LEVEL_RANK["warning"], "error": LEVEL_RANK["error"]}
+SAMPLE_ANOMALIES = 20
+
+
+@dataclass
+class GateResult:
+    """The gate's answer plus what the SARIF view needs (new findings per analysis and run)."""
+
+    body: dict[str, Any]
+    head: list[Analysis]
+    new_rows: list[Any]
+
+
+def _load_findings(session: Session, analyses: list[Analysis]) -> list[Any]:
+    if not analyses:
+        return []
+    ids = [a.id for a in analyses]
+    return list(session.execute(select(*_FINDING_COLUMNS).where(Finding.analysis_id.in_(ids))).all())
+
+
+def _items(rows: list[Any], categories: dict[int, str]) -> list[Item]:
+    return [
+        Item(
+            r.fingerprint,
+            categories[r.analysis_id],
+            r.rule,
+            r.path,
+            r.message,
+            r.start_line,
+            r.context_hash,
+            r,
+        )
+        for r in rows
+        if not r.suppressed
+    ]
+
+
+def _finding(row: Any, category: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "fingerprint": row.fingerprint,
+        "category": category,
+        "rule": row.rule,
+        "level": row.level,
+        "path": row.path,
+        "start_line": row.start_line,
+        "start_column": row.start_column,
+        "end_line": row.end_line,
+        "end_column": row.end_column,
+        "message": row.message,
+        "snippet": row.snippet,
+        "suppressed": row.suppressed,
+        **extra,
+    }
+
+
+def _sort_key(item: Item) -> tuple[int, str, int, str]:
+    return (-LEVEL_RANK.get(item.ref.level, 1), item.path, item.start_line or 0, item.rule)  # type: ignore[union-attr]
+
+
+def choose_baseline(
+    session: Session, project: Project, commit_sha: str, base_sha: str | None, head: list[Analysis]
+) -> tuple[dict[str, Any], list[Analysis]]:
+    if base_sha:
+        base = list(
+            session.execute(
+                select(Analysis).where(Analysis.project_id == project.id, Analysis.commit_sha == base_sha)
+            ).scalars()
+        )
+        branch = base[0].branch if base else None
+        return {"commit_sha": base_sha, "how": "explicit", "branch": branch}, base
+    if head:
+        first = min(a.id for a in head)
+        row = session.execute(
+            select(Analysis.commit_sha)
+            .where(
+                Analysis.project_id == project.id,
+                Analysis.branch == project.default_branch,
+                Analysis.commit_sha != commit_sha,
+                Analysis.id < first,
+            )
+            .order_by(Analysis.id.desc())
+            .limit(1)
+        ).first()
+        if row is not None:
+            base = list(
+                session.execute(
+                    select(Analysis).where(
+                        Analysis.project_id == project.id, Analysis.commit_sha == row.commit_sha
+                    )
+                ).scalars()
+            )
+            return {
+                "commit_sha": row.commit_sha,
+                "how": "default_branch",
+                "branch": project.default_branch,
+            }, base
+    return {"commit_sha": None, "how": "none", "branch": None}, []
+
+
+def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict[str, Any]:
+    runs = list(
+        session.execute(
+            select(Run.id, Run.name, Run.record_count).where(
+                Run.project_id == project.id, Run.commit_sha == commit_sha
+            )
+        ).all()
+    )
+    if not runs:
+        return {"runs": [], "records": 0, "anomalies": 0, "samples": []}
+    ids = [r.id for r in runs]
+    names = {r.id: r.name for r in runs}
+    anomalous = select(Record).where(Record.run_id.in_(ids), Record.anomaly.is_not(None))
+    count = session.execute(select(func.count()).select_from(anomalous.subquery())).scalar_one()
+    samples = []
+    if count:
+        for rec in session.execute(anomalous.order_by(Record.id).limit(SAMPLE_ANOMALIES)).scalars():
+            samples.append(
+                {
+                    "run": names[rec.run_id],
+                    "rank": rec.rank,
+                    "step": rec.step,
+                    "phase": rec.phase,
+                    "module": rec.module,
+                    "param": rec.param,
+                    "anomaly": rec.anomaly or "",
+                }
+            )
+    return {
+        "runs": sorted(names.values()),
+        "records": int(sum(r.record_count for r in runs)),
+        "anomalies": int(count),
+        "samples": samples,
+    }
+
+
+def compute_gate(
+    session: Session, settings: Settings, project: Project, commit_sha: str, base_sha: str | None = None
+) -> GateResult:
+    head = list(
+        session.execute(
+            select(Analysis)
+            .where(Analysis.project_id == project.id, Analysis.commit_sha == commit_sha)
+            .order_by(Analysis.id)
+        ).scalars()
+    )
+    baseline, base = choose_baseline(session, project, commit_sha, base_sha, head)
+    runtime = runtime_summary(session, project, commit_sha)
+    policy = {
+        "fail_on_severity": settings.gate_fail_severity,
+        "fail_on_runtime_anomalies": settings.gate_fail_on_runtime_anomalies,
+    }
+    threshold = _SEVERITY[settings.gate_fail_severity]
+
+    categories = {a.id: a.category for a in head}
+    base_categories = {a.id: a.category for a in base}
+    head_rows = _load_findings(session, head)
+    # Only categories present in the head are compared: a category the head did not upload is not "fixed".
+    head_cats = set(categories.values())
+    base_all, base = base, [a for a in base if a.category in head_cats]
+    base_rows = _load_findings(session, base)
+    matching: Matching = match(
+        _items(head_rows, categories), _items(base_rows, base_categories), settings.match_line_window
+    )
+    suppressed = sum(1 for r in head_rows if r.suppressed)
+
+    new_fps = {i.fingerprint for i in matching.new}
+    dismissed_fps: set[str] = set()
+    if new_fps:
+        dismissed_fps = set(
+            session.execute(
+                select(Alert.fingerprint).where(
+                    Alert.project_id == project.id, Alert.state == "dismissed", Alert.fingerprint.in_(new_fps)
+                )
+            ).scalars()
+        )
+    new_sorted = sorted(matching.new, key=_sort_key)
+    failing = [
+        i
+        for i in new_sorted
+        if LEVEL_RANK.get(i.ref.level, 1) >= threshold and i.fingerprint not in dismissed_fps
+    ]  # type: ignore[union-attr]
+
+    conditions = [
+        {
+            "name": "new_findings",
+            "description": f"new findings at severity >= {settings.gate_fail_severity}, not dismissed",
+            "operator": "<=",
+            "threshold": 0,
+            "actual": len(failing),
+            "passed": not failing,
+        }
+    ]
+    if settings.gate_fail_on_runtime_anomalies:
+        conditions.append(
+            {
+                "name": "runtime_anomalies",
+                "description": "runtime anomalies recorded by maingrad.hooks for this commit",
+                "operator": "<=",
+                "threshold": 0,
+                "actual": runtime["anomalies"],
+                "passed": runtime["anomalies"] == 0,
+            }
+        )
+    failed_tools = [a for a in head if not a.execution_successful]
+    conditions.append(
+        {
+            "name": "tool_execution",
+            "description": "every uploaded analysis reports a successful tool run",
+            "operator": "==",
+            "threshold": True,
+            "actual": not failed_tools,
+            "passed": not failed_tools,
+        }
+    )
+
+    status, reason = _status(head, base_sha, base_all, runtime, conditions, failed_tools)
+    limit = settings.max_gate_findings
+    unchanged_sorted = sorted(matching.unchanged, key=lambda t: _sort_key(t[0]))
+    fixed_sorted = sorted(matching.fixed, key=_sort_key)
+    body = {
+        "project": project.name,
+        "commit_sha": commit_sha,
+        "status": status,
+        "reason": reason,
+        "policy": policy,
+        "baseline": {**baseline, "analysis_ids": sorted(a.id for a in base)},
+        "analyses": [analysis_dict(a, project.name) for a in head],
+        "conditions": conditions,
+        "summary": {
+            "new": len(matching.new),
+            "new_failing": len(failing),
+            "unchanged": len(matching.unchanged),
+            "fixed": len(matching.fixed),
+            "suppressed": suppressed,
+            "dismissed": sum(1 for i in matching.new if i.fingerprint in dismissed_fps),
+        },
+        "new": [
+            _finding(i.ref, i.category, dismissed=i.fingerprint in dismissed_fps) for i in new_sorted[:limit]
+        ],
+        "unchanged": [
+            _finding(h.ref, h.category, match=how, base_path=b.path, base_start_line=b.start_line)
+            for h, b, how in unchanged_sorted[:limit]
+        ],
+        "fixed": [_finding(i.ref, i.category) for i in fixed_sorted[:limit]],
+        "truncated": max(len(matching.new), len(matching.unchanged), len(matching.fixed)) > limit,
+        "runtime": runtime,
+    }
+    return GateResult(body=body, head=head, new_rows=[i.ref for i in new_sorted])
+
+
+def _status(
+    head: list[Analysis],
+    base_sha: str | None,
+    base: list[Analysis],
+    runtime: dict[str, Any],
+    conditions: list[dict[str, Any]],
+    failed_tools: list[Analysis],
+) -> tuple[str, str | None]:
+    if not head and not runtime["runs"]:
+        return "pending", "no analysis or runtime records for this commit yet"
+    if base_sha and head and not base:
+        return "pending", f"no analysis for the baseline commit {base_sha} yet"
+    if failed_tools:
+        names = ", ".join(sorted({a.tool_name for a in failed_tools}))
+        return "error", f"the tool run reported failure: {names}"
+    failed = [c["name"] for c in conditions if not c["passed"]]
+    if failed:
+        return "fail", "failed: " + ", ".join(failed)
+    if not head:
+        return "neutral", "only runtime records (no anomaly); no static analysis for this commit"
+    if all(a.files_scanned == 0 and a.results_count == 0 for a in head):
+        return "neutral", "the analyses scanned no file"
+    return "pass", None

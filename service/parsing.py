@@ -1,0 +1,423 @@
+"""Uploaded reports -> one normalized form: maingrad JSON (analyzer/report.py) or SARIF 2.1.0 from any tool.
+
+The format is detected by content, never by headers. SARIF is read defensively: only the fields we need
+are required, everything else is kept as received so it goes back out unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from maingrad.analyzer.report import Report, Severity, normalize_context
+from maingrad.service.problems import ProblemError
+
+LEVEL_RANK = {"none": 0, "note": 0, "warning": 1, "error": 2}
+SEVERITY_LEVEL = {Severity.INFO: "note", Severity.WARNING: "warning", Severity.ERROR: "error"}
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+MAINGRAD_FP_KEY = "maingrad/v1"
+
+
+@dataclass
+class NormFinding:
+    rule: str
+    level: str
+    path: str
+    start_line: int | None
+    start_column: int | None
+    end_line: int | None
+    end_column: int | None
+    message: str
+    snippet: str
+    suppressed: bool
+    material: str  # what identifies the finding besides category, rule and path
+    context_hash: str | None
+    sarif: dict[str, Any]
+    run_index: int = 0
+    fingerprint: str = ""
+
+    @property
+    def severity_rank(self) -> int:
+        return LEVEL_RANK.get(self.level, 1)
+
+
+@dataclass
+class NormAnalysis:
+    format: str
+    tool_name: str
+    tool_version: str
+    files_scanned: int | None
+    execution_successful: bool
+    runs_meta: list[dict[str, Any]]
+    findings: list[NormFinding] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_runs: int
+    max_results_per_run: int
+
+
+def _invalid(code: str, detail: str) -> ProblemError:
+    return ProblemError(422, code, detail)
+
+
+def load_json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError as exc:
+        raise _invalid("invalid_encoding", f"body is not UTF-8: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise _invalid(
+            "invalid_json", f"body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise _invalid("invalid_json", "JSON nested too deeply") from None
+
+
+def detect_format(doc: Any) -> str:
+    if not isinstance(doc, dict):
+        raise _invalid("unknown_format", "report must be a JSON object (maingrad report or SARIF 2.1.0 log)")
+    if "runs" in doc or "sarif" in str(doc.get("$schema", "")).lower() or doc.get("version") == "2.1.0":
+        return "sarif"
+    tool = doc.get("tool")
+    if isinstance(tool, dict) and tool.get("name") == "maingrad":
+        return "maingrad"
+    raise _invalid("unknown_format", "not a maingrad report (tool.name == 'maingrad') nor a SARIF log (runs)")
+
+
+def parse_report(data: bytes, limits: Limits) -> NormAnalysis:
+    doc = load_json(data)
+    kind = detect_format(doc)
+    return parse_sarif(doc, limits) if kind == "sarif" else parse_maingrad(doc, limits)
+
+
+def context_hash(snippet: str) -> str | None:
+    norm = normalize_context(snippet)
+    return hashlib.sha256(norm.encode("utf-8")).hexdigest()[:32] if norm else None
+
+
+def normalize_path(uri: str, bases: dict[str, str] | None = None) -> str:
+    """Repo-relative POSIX path from a SARIF URI or a report path (never an absolute prefix if avoidable)."""
+    text = uri.strip()
+    if text.startswith("file:"):
+        text = urlsplit(text).path
+    text = unquote(text).replace("\\", "/")
+    for base in (bases or {}).values():
+        if base and text.startswith(base):
+            text = text[len(base) :]
+            break
+    while text.startswith("./"):
+        text = text[2:]
+    if text and not text.startswith("/"):
+        text = posixpath.normpath(text)
+    return text
+
+
+# --- maingrad JSON ------------------------------------------------------------------------------------
+
+
+def parse_maingrad(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
+    try:
+        report = Report.from_dict(doc)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _invalid("invalid_report", f"malformed maingrad report: {type(exc).__name__}: {exc}") from None
+    if len(report.findings) > limits.max_results_per_run:
+        raise ProblemError(
+            413,
+            "too_many_results",
+            f"{len(report.findings)} findings exceed {limits.max_results_per_run} per run",
+            limit=limits.max_results_per_run,
+        )
+    rules = [
+        {
+            "id": r.id,
+            "name": r.name,
+            "shortDescription": {"text": r.summary or r.name},
+            "defaultConfiguration": {"level": SEVERITY_LEVEL[r.severity]},
+            **({"helpUri": r.help_uri} if r.help_uri else {}),
+        }
+        for r in report.rules
+    ]
+    notifications = [
+        {
+            "level": "error",
+            "message": {"text": e.message},
+            "locations": [{"physicalLocation": {"artifactLocation": {"uri": e.path}}}],
+        }
+        for e in report.parse_errors
+    ]
+    meta = {
+        "tool": {
+            "driver": {
+                "name": "maingrad",
+                "version": report.tool_version,
+                "informationUri": "https://github.com/maingrad/maingrad",
+                "rules": rules,
+            }
+        },
+        "invocations": [{"executionSuccessful": True, "toolExecutionNotifications": notifications}],
+    }
+    findings = []
+    for f in report.findings:
+        path = normalize_path(f.path)
+        level = SEVERITY_LEVEL[f.severity]
+        region: dict[str, Any] = {
+            "startLine": f.line,
+            "startColumn": f.column,
+            "endLine": f.end_line,
+            "endColumn": f.end_column,
+        }
+        if f.snippet:
+            region["snippet"] = {"text": f.snippet}
+        result = {
+            "ruleId": f.rule,
+            "level": level,
+            "message": {"text": f.message},
+            "locations": [
+                {
+                    "physicalLocation": {
+                        "artifactLocation": {"uri": path, "uriBaseId": "%SRCROOT%"},
+                        "region": region,
+                    }
+                }
+            ],
+            "partialFingerprints": {MAINGRAD_FP_KEY: f.fingerprint},
+        }
+        findings.append(
+            NormFinding(
+                rule=f.rule,
+                level=level,
+                path=path,
+                start_line=f.line,
+                start_column=f.column,
+                end_line=f.end_line,
+                end_column=f.end_column,
+                message=f.message,
+                snippet=f.snippet,
+                suppressed=False,
+                material=f"{MAINGRAD_FP_KEY}:{f.fingerprint}",
+                context_hash=context_hash(f.snippet),
+                sarif=result,
+            )
+        )
+    return NormAnalysis(
+        format="maingrad",
+        tool_name="maingrad",
+        tool_version=report.tool_version,
+        files_scanned=report.files_scanned,
+        execution_successful=True,
+        runs_meta=[meta],
+        findings=findings,
+    )
+
+
+# --- SARIF 2.1.0 --------------------------------------------------------------------------------------
+
+
+def _obj(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _invalid("invalid_sarif", f"{where} must be an object")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _invalid("invalid_sarif", f"{where} must be an array")
+    return value
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(message: Any, rule: dict[str, Any] | None) -> str:
+    if isinstance(message, dict):
+        if isinstance(message.get("text"), str):
+            return message["text"]
+        if isinstance(message.get("id"), str) and rule:
+            template = (rule.get("messageStrings") or {}).get(message["id"], {})
+            if isinstance(template, dict) and isinstance(template.get("text"), str):
+                text = template["text"]
+                for i, arg in enumerate(message.get("arguments") or []):
+                    text = text.replace("{" + str(i) + "}", str(arg))
+                return text
+    return ""
+
+
+def parse_sarif(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
+    version = doc.get("version")
+    if version != "2.1.0":
+        raise _invalid("invalid_sarif", f"unsupported SARIF version {version!r} (expected '2.1.0')")
+    runs = _list(doc.get("runs"), "runs")
+    if not runs:
+        raise _invalid("invalid_sarif", "a SARIF log needs at least one run")
+    if len(runs) > limits.max_runs:
+        raise ProblemError(
+            413,
+            "too_many_runs",
+            f"{len(runs)} runs exceed the limit of {limits.max_runs}",
+            limit=limits.max_runs,
+        )
+    findings: list[NormFinding] = []
+    metas: list[dict[str, Any]] = []
+    tool_name = tool_version = ""
+    execution_ok = True
+    for run_index, raw_run in enumerate(runs):
+        run = _obj(raw_run, f"runs[{run_index}]")
+        results = _list(run.get("results"), f"runs[{run_index}].results")
+        if len(results) > limits.max_results_per_run:
+            raise ProblemError(
+                413,
+                "too_many_results",
+                f"runs[{run_index}] has {len(results)} results; the limit is {limits.max_results_per_run}",
+                limit=limits.max_results_per_run,
+            )
+        tool = _obj(run.get("tool"), f"runs[{run_index}].tool")
+        driver = _obj(tool.get("driver"), f"runs[{run_index}].tool.driver")
+        if not isinstance(driver.get("name"), str) or not driver["name"]:
+            raise _invalid("invalid_sarif", f"runs[{run_index}].tool.driver.name must be a non-empty string")
+        if run_index == 0:
+            tool_name = driver["name"]
+            tool_version = str(driver.get("semanticVersion") or driver.get("version") or "")
+        rules = [r for r in _list(driver.get("rules"), "tool.driver.rules") if isinstance(r, dict)]
+        rules_by_id = {r["id"]: r for r in rules if isinstance(r.get("id"), str)}
+        for inv in _list(run.get("invocations"), "invocations"):
+            if isinstance(inv, dict) and inv.get("executionSuccessful") is False:
+                execution_ok = False
+        bases = (
+            {
+                k: normalize_path(v["uri"])
+                for k, v in (run.get("originalUriBaseIds") or {}).items()
+                if isinstance(v, dict) and isinstance(v.get("uri"), str)
+            }
+            if isinstance(run.get("originalUriBaseIds"), dict)
+            else {}
+        )
+        for result_index, raw in enumerate(results):
+            finding = _sarif_result(
+                raw, f"runs[{run_index}].results[{result_index}]", rules, rules_by_id, bases
+            )
+            if finding is not None:
+                finding.run_index = run_index
+                findings.append(finding)
+        metas.append({k: v for k, v in run.items() if k != "results"})
+    return NormAnalysis(
+        format="sarif",
+        tool_name=tool_name,
+        tool_version=tool_version[:100],
+        files_scanned=None,
+        execution_successful=execution_ok,
+        runs_meta=metas,
+        findings=findings,
+    )
+
+
+def _sarif_result(
+    raw: Any,
+    where: str,
+    rules: list[dict[str, Any]],
+    rules_by_id: dict[str, dict[str, Any]],
+    bases: dict[str, str],
+) -> NormFinding | None:
+    result = _obj(raw, where)
+    if result.get("kind") in ("pass", "notApplicable"):
+        return None
+    rule_id = result.get("ruleId")
+    if not isinstance(rule_id, str):
+        rule_ref = result.get("rule")
+        rule_id = rule_ref.get("id") if isinstance(rule_ref, dict) else None
+    rule_index = _int(result.get("ruleIndex"))
+    rule = None
+    if rule_index is not None and 0 <= rule_index < len(rules):
+        rule = rules[rule_index]
+        if not isinstance(rule_id, str):
+            rule_id = rule.get("id")
+    if not isinstance(rule_id, str) or not rule_id:
+        rule_id = "(none)"
+    rule = rule or rules_by_id.get(rule_id) or rules_by_id.get(rule_id.split("/")[0])
+    if not isinstance(result.get("message"), dict):
+        raise _invalid("invalid_sarif", f"{where}.message must be an object")
+    message = _text(result["message"], rule)
+    level = result.get("level")
+    if level not in LEVEL_RANK:
+        default = (rule or {}).get("defaultConfiguration") or {}
+        level = default.get("level") if isinstance(default, dict) else None
+        level = level if level in LEVEL_RANK else "warning"
+    path, region, snippet = "", {}, ""
+    locations = _list(result.get("locations"), f"{where}.locations")
+    if locations:
+        loc = _obj(locations[0], f"{where}.locations[0]")
+        phys = loc.get("physicalLocation") or {}
+        if isinstance(phys, dict):
+            art = phys.get("artifactLocation") or {}
+            if isinstance(art, dict) and isinstance(art.get("uri"), str):
+                path = normalize_path(art["uri"], bases)
+            region = phys.get("region") if isinstance(phys.get("region"), dict) else {}
+            for reg in (region, phys.get("contextRegion")):
+                if isinstance(reg, dict) and isinstance(reg.get("snippet"), dict):
+                    text = reg["snippet"].get("text")
+                    if isinstance(text, str) and text:
+                        snippet = text
+                        break
+    start_line = _int(region.get("startLine"))
+    suppressions = _list(result.get("suppressions"), f"{where}.suppressions")
+    suppressed = any(isinstance(s, dict) and s.get("status", "accepted") == "accepted" for s in suppressions)
+    ctx = context_hash(snippet)
+    return NormFinding(
+        rule=rule_id[:255],
+        level=level,
+        path=path,
+        start_line=start_line,
+        start_column=_int(region.get("startColumn")),
+        end_line=_int(region.get("endLine")) or start_line,
+        end_column=_int(region.get("endColumn")),
+        message=message,
+        snippet=snippet,
+        suppressed=suppressed,
+        material=_material(result, ctx, message),
+        context_hash=ctx,
+        sarif=result,
+    )
+
+
+def _pairs(value: Any) -> list[tuple[str, str]]:
+    if not isinstance(value, dict):
+        return []
+    return sorted((str(k), str(v)) for k, v in value.items() if isinstance(v, (str, int)))
+
+
+def _material(result: dict[str, Any], ctx: str | None, message: str) -> str:
+    """Identity beyond (category, rule, path): the tool's fingerprints when it has them, else the code."""
+    partial = _pairs(result.get("partialFingerprints"))
+    ours = [(k, v) for k, v in partial if k.startswith("maingrad/")]
+    if ours:
+        return f"{ours[0][0]}:{ours[0][1]}"
+    full = _pairs(result.get("fingerprints"))
+    if full:
+        return "fp:" + "|".join(f"{k}={v}" for k, v in full)
+    if partial:
+        return "pfp:" + "|".join(f"{k}={v}" for k, v in partial)
+    if ctx:
+        return f"context:{ctx}"
+    return f"message:{normalize_context(message)}"
+
+
+def assign_fingerprints(findings: list[NormFinding], category: str) -> None:
+    """Fingerprint = H(category, rule, path, material, occurrence); occurrence separates true duplicates."""
+    seen: dict[tuple[str, str, str], int] = {}
+    for f in findings:
+        key = (f.rule, f.path, f.material)
+        occurrence = seen.get(key, 0)
+        seen[key] = occurrence + 1
+        digest = hashlib.sha256()
+        for part in ("v1", category, f.rule, f.path, f.material, str(occurrence)):
+            digest.update(part.encode("utf-8"))
+            digest.update(b"\0")
+        f.fingerprint = digest.hexdigest()[:32]

@@ -1,0 +1,265 @@
+"""Storing an uploaded report: parse, fingerprint, replace by key, keep alerts current.
+
+Idempotent three ways: a byte-identical re-upload for the same (project, commit, category) is a no-op that
+returns the same analysis; an `Idempotency-Key` replays the first answer; concurrent uploads of one key end
+with exactly one analysis (the losers retry and see the winner).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from maingrad.service.config import Settings
+from maingrad.service.db import Database
+from maingrad.service.dialect import insert_for, note_commit, with_retries
+from maingrad.service.models import Alert, Analysis, Finding, IdempotencyKey, Project, utcnow
+from maingrad.service.parsing import Limits, NormAnalysis, assign_fingerprints, parse_report
+from maingrad.service.problems import ProblemError
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+
+@dataclass
+class UploadOutcome:
+    body: dict[str, Any]
+    status_code: int  # 201 created/replaced, 200 unchanged or replayed
+
+
+def iso(value: dt.datetime) -> str:
+    """RFC 3339 in UTC with a Z, like pydantic writes datetimes."""
+    return value.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def analysis_dict(a: Analysis, project_name: str) -> dict[str, Any]:
+    return {
+        "id": a.id,
+        "project": project_name,
+        "commit_sha": a.commit_sha,
+        "branch": a.branch,
+        "category": a.category,
+        "format": a.format,
+        "tool": {"name": a.tool_name, "version": a.tool_version},
+        "results_count": a.results_count,
+        "files_scanned": a.files_scanned,
+        "execution_successful": a.execution_successful,
+        "content_sha256": a.content_sha256,
+        "created_at": iso(a.created_at),
+    }
+
+
+def store_report(
+    db: Database,
+    settings: Settings,
+    project: Project,
+    *,
+    commit_sha: str,
+    branch: str | None,
+    category: str | None,
+    body: bytes,
+    idempotency_key: str | None = None,
+) -> UploadOutcome:
+    content_sha = hashlib.sha256(body).hexdigest()
+    request_sha = hashlib.sha256(
+        b"\0".join([body, commit_sha.encode(), (branch or "").encode(), (category or "").encode()])
+    ).hexdigest()
+    ttl = dt.timedelta(hours=settings.idempotency_ttl_hours)
+    if idempotency_key:
+        replay = _replay(db, project.id, idempotency_key, request_sha, ttl)
+        if replay is not None:
+            return replay
+    norm = parse_report(body, Limits(settings.max_runs, settings.max_results_per_run))
+    cat = (category or norm.tool_name or norm.format)[:200]
+    assign_fingerprints(norm.findings, cat)
+
+    def attempt() -> UploadOutcome:
+        with db.writing() as session:
+            if idempotency_key:
+                replay = _replay_in(session, project.id, idempotency_key, request_sha, ttl)
+                if replay is not None:
+                    return replay
+                session.execute(
+                    delete(IdempotencyKey).where(
+                        IdempotencyKey.project_id == project.id, IdempotencyKey.created_at < utcnow() - ttl
+                    )
+                )
+            outcome = _store(session, project, commit_sha, branch, cat, content_sha, norm)
+            if idempotency_key:
+                session.add(
+                    IdempotencyKey(
+                        project_id=project.id,
+                        key=idempotency_key,
+                        request_sha256=request_sha,
+                        analysis_id=outcome.body["id"],
+                        status_code=outcome.status_code,
+                        response=outcome.body,
+                        created_at=utcnow(),
+                    )
+                )
+            return outcome
+
+    return with_retries(attempt)
+
+
+def _replay(
+    db: Database, project_id: int, key: str, request_sha: str, ttl: dt.timedelta
+) -> UploadOutcome | None:
+    with db.reading() as session:
+        return _replay_in(session, project_id, key, request_sha, ttl)
+
+
+def _replay_in(
+    session: Session, project_id: int, key: str, request_sha: str, ttl: dt.timedelta
+) -> UploadOutcome | None:
+    row = session.execute(
+        select(IdempotencyKey).where(IdempotencyKey.project_id == project_id, IdempotencyKey.key == key)
+    ).scalar_one_or_none()
+    if row is None or row.created_at < utcnow() - ttl:
+        return None
+    if row.request_sha256 != request_sha:
+        raise ProblemError(
+            422, "idempotency_key_reused", "this Idempotency-Key was already used for a different request"
+        )
+    return UploadOutcome(dict(row.response), row.status_code)
+
+
+def _store(
+    session: Session,
+    project: Project,
+    commit_sha: str,
+    branch: str | None,
+    category: str,
+    content_sha: str,
+    norm: NormAnalysis,
+) -> UploadOutcome:
+    existing = session.execute(
+        select(Analysis).where(
+            Analysis.project_id == project.id,
+            Analysis.commit_sha == commit_sha,
+            Analysis.category == category,
+        )
+    ).scalar_one_or_none()
+    replaced_id = None
+    if existing is not None:
+        if existing.content_sha256 == content_sha and existing.branch == branch:
+            body = {**analysis_dict(existing, project.name), "outcome": "unchanged", "replaced_id": None}
+            return UploadOutcome(body, 200)
+        replaced_id = existing.id
+        session.execute(delete(Finding).where(Finding.analysis_id == existing.id))
+        session.execute(delete(Analysis).where(Analysis.id == existing.id))
+    now = utcnow()
+    analysis = Analysis(
+        project_id=project.id,
+        commit_sha=commit_sha,
+        branch=branch,
+        category=category,
+        format=norm.format,
+        tool_name=norm.tool_name[:200],
+        tool_version=norm.tool_version[:100],
+        content_sha256=content_sha,
+        results_count=len(norm.findings),
+        files_scanned=norm.files_scanned,
+        execution_successful=norm.execution_successful,
+        runs_meta=norm.runs_meta,
+        created_at=now,
+    )
+    session.add(analysis)
+    session.flush()
+    note_commit(session, project.id, commit_sha, branch)
+    if norm.findings:
+        session.connection().execute(
+            Finding.__table__.insert(),
+            [
+                {
+                    "analysis_id": analysis.id,
+                    "run_index": f.run_index,
+                    "fingerprint": f.fingerprint,
+                    "context_hash": f.context_hash,
+                    "rule": f.rule,
+                    "level": f.level,
+                    "severity_rank": f.severity_rank,
+                    "path": f.path,
+                    "start_line": f.start_line,
+                    "start_column": f.start_column,
+                    "end_line": f.end_line,
+                    "end_column": f.end_column,
+                    "message": f.message,
+                    "snippet": f.snippet,
+                    "suppressed": f.suppressed,
+                    "sarif": f.sarif,
+                }
+                for f in norm.findings
+            ],
+        )
+    _update_alerts(session, project, analysis, norm)
+    body = {
+        **analysis_dict(analysis, project.name),
+        "outcome": "replaced" if replaced_id is not None else "created",
+        "replaced_id": replaced_id,
+    }
+    return UploadOutcome(body, 201)
+
+
+def _update_alerts(session: Session, project: Project, analysis: Analysis, norm: NormAnalysis) -> None:
+    now = analysis.created_at
+    rows: dict[str, dict[str, Any]] = {}
+    for f in norm.findings:
+        if f.suppressed or f.fingerprint in rows:
+            continue
+        rows[f.fingerprint] = {
+            "project_id": project.id,
+            "fingerprint": f.fingerprint,
+            "category": analysis.category,
+            "rule": f.rule,
+            "level": f.level,
+            "severity_rank": f.severity_rank,
+            "path": f.path,
+            "message": f.message,
+            "state": "open",
+            "first_seen_commit": analysis.commit_sha,
+            "first_seen_at": now,
+            "last_seen_commit": analysis.commit_sha,
+            "last_seen_branch": analysis.branch,
+            "last_seen_at": now,
+            "last_seen_analysis_id": analysis.id,
+        }
+    if rows:
+        stmt = insert_for(session, Alert)
+        table = Alert.__table__
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["project_id", "fingerprint"],
+            set_={
+                "level": stmt.excluded.level,
+                "severity_rank": stmt.excluded.severity_rank,
+                "path": stmt.excluded.path,
+                "message": stmt.excluded.message,
+                "last_seen_commit": stmt.excluded.last_seen_commit,
+                "last_seen_branch": stmt.excluded.last_seen_branch,
+                "last_seen_at": stmt.excluded.last_seen_at,
+                "last_seen_analysis_id": stmt.excluded.last_seen_analysis_id,
+                # A fixed alert that comes back is open again; a dismissed one stays dismissed.
+                "state": _case_reopen(table),
+                "fixed_commit": None,
+            },
+        )
+        # Sorted so concurrent uploads lock alert rows in one order (no deadlock on PostgreSQL).
+        session.connection().execute(stmt, [rows[k] for k in sorted(rows)])
+    if analysis.branch is not None and analysis.branch == project.default_branch:
+        session.execute(
+            update(Alert)
+            .where(
+                Alert.project_id == project.id,
+                Alert.category == analysis.category,
+                Alert.state == "open",
+                Alert.last_seen_analysis_id != analysis.id,
+            )
+            .values(state="fixed", fixed_commit=analysis.commit_sha)
+        )
+
+
+def _case_reopen(table: Any) -> Any:
+    from sqlalchemy import case
+
+    return case((table.c.state == "fixed", "open"), else_=table.c.state)
