@@ -14,11 +14,11 @@ parameters and `self.linear_fc1` matches itself wherever it is written.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import libcst as cst
+from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext
 from maingrad.analyzer.names import dotted_name
 
@@ -30,136 +30,6 @@ BUILTIN_EXPOSURE_FUNCS = frozenset({"get_main_grad_from_param"})
 PRESENT = "present"  # the parameter has get_main_grad (a Megatron-FSDP parameter)
 ABSENT = "absent"  # the parameter has no get_main_grad (a DDP / plain parameter)
 CAUGHT = "caught"  # an AttributeError raised here is caught by an enclosing try
-
-
-# Fast traversal ----------------------------------------------------------------------------------
-# libcst's visitor protocol rebuilds every node on the way back up (about 0.2 s for a 3,000-line file, more
-# than half of parsing it). Rules only read the tree, so walk the dataclass fields directly and skip trivia
-# (whitespace, parentheses, commas, operators): four times faster and shared by every rule on one file.
-_TRIVIA = frozenset(
-    {
-        "lpar",
-        "rpar",
-        "leading_lines",
-        "lines_after_decorators",
-        "header",
-        "footer",
-        "comma",
-        "semicolon",
-        "dot",
-        "equal",
-        "colon",
-        "operator",
-        "newline",
-        "trailing_whitespace",
-        "asynchronous",
-        "relative",
-        "default_indent",
-        "default_newline",
-        "encoding",
-        "has_trailing_newline",
-        "star",
-        "indent",
-        "lbracket",
-        "rbracket",
-        "lbrace",
-        "rbrace",
-    }
-)
-_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-def _fields(kind: type) -> tuple[str, ...]:
-    names = _FIELDS.get(kind)
-    if names is None:
-        names = tuple(
-            f.name
-            for f in dataclasses.fields(kind)
-            if f.name not in _TRIVIA and not f.name.startswith("whitespace")
-        )
-        _FIELDS[kind] = names
-    return names
-
-
-def iter_children(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
-    """Syntactic children (no trivia), in field order (source order except `a if t else b`)."""
-    for name in _fields(type(node)):
-        value = getattr(node, name)
-        if isinstance(value, cst.CSTNode):
-            yield value
-        elif type(value) in (list, tuple):
-            for item in value:
-                if isinstance(item, cst.CSTNode):
-                    yield item
-
-
-def walk(root: cst.CSTNode, prune_scopes: bool = False) -> Iterator[cst.CSTNode]:
-    """Pre-order walk of `root`; with `prune_scopes`, nested functions/classes/lambdas are not entered."""
-    stack = [root]
-    scopes = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
-    while stack:
-        node = stack.pop()
-        yield node
-        if prune_scopes and node is not root and isinstance(node, scopes):
-            continue
-        children = list(iter_children(node))
-        children.reverse()
-        stack.extend(children)
-
-
-class FileIndex:
-    """One pre-order pass over a module: parents, source order and nodes by type."""
-
-    def __init__(self, module: cst.Module) -> None:
-        self.module = module
-        self.parents: dict[cst.CSTNode, cst.CSTNode] = {}
-        self.order: dict[cst.CSTNode, int] = {}
-        self.by_type: dict[type, list[cst.CSTNode]] = {}
-        stack: list[cst.CSTNode] = [module]
-        while stack:
-            node = stack.pop()
-            self.order[node] = len(self.order)
-            self.by_type.setdefault(type(node), []).append(node)
-            children = list(iter_children(node))
-            for child in children:
-                self.parents[child] = node
-            children.reverse()
-            stack.extend(children)
-
-    def of_type(self, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
-        found = [n for kind in kinds for n in self.by_type.get(kind, ())]
-        if len(kinds) > 1:
-            found.sort(key=self.order.__getitem__)
-        return found
-
-    def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
-        return self.parents.get(node)
-
-    def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
-        current = self.parents.get(node)
-        while current is not None:
-            yield current
-            current = self.parents.get(current)
-
-    def enclosing(self, node: cst.CSTNode, kind: type[cst.CSTNode] | tuple[type, ...]) -> cst.CSTNode | None:
-        for ancestor in self.ancestors(node):
-            if isinstance(ancestor, kind):
-                return ancestor
-        return None
-
-
-_INDEX_CACHE: list[FileIndex] = []
-
-
-def index_of(ctx: FileContext) -> FileIndex:
-    """The shared index of `ctx.module` (a few recent modules are kept; rules run file by file)."""
-    for index in _INDEX_CACHE:
-        if index.module is ctx.module:
-            return index
-    index = FileIndex(ctx.module)
-    _INDEX_CACHE.insert(0, index)
-    del _INDEX_CACHE[4:]
-    return index
 
 
 def norm(code: str) -> str:
@@ -251,7 +121,7 @@ FunctionLike = (cst.FunctionDef, cst.Lambda)
 
 
 def enclosing_function(ctx: FileContext, node: cst.CSTNode) -> cst.FunctionDef | None:
-    for ancestor in index_of(ctx).ancestors(node):
+    for ancestor in ctx.ancestors(node):
         if isinstance(ancestor, cst.FunctionDef):
             return ancestor
         if isinstance(ancestor, cst.Lambda):
@@ -260,7 +130,7 @@ def enclosing_function(ctx: FileContext, node: cst.CSTNode) -> cst.FunctionDef |
 
 
 def enclosing_class(ctx: FileContext, node: cst.CSTNode) -> cst.ClassDef | None:
-    found = index_of(ctx).enclosing(node, cst.ClassDef)
+    found = ctx.enclosing(node, cst.ClassDef)
     return found if isinstance(found, cst.ClassDef) else None
 
 
@@ -271,13 +141,13 @@ def first_param(func: cst.FunctionDef) -> str | None:
 
 def own_nodes(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
     """Nodes of `kinds` inside `root`, excluding those in nested function/class/lambda bodies (a nested
-    def itself is included when its type is asked for). Trivia (whitespace, commas) is never returned."""
-    return [n for n in walk(root, prune_scopes=True) if isinstance(n, kinds)]
+    def itself is included when its type is asked for)."""
+    return walk.find_own(root, *kinds)
 
 
 def all_nodes(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
-    """Every node of `kinds` under `root` (root included), pre-order. Trivia is never returned."""
-    return [n for n in walk(root) if isinstance(n, kinds)]
+    """Every node of `kinds` under `root` (root included), in source order."""
+    return walk.find(root, *kinds)
 
 
 def local_bindings(func: cst.CSTNode | None) -> dict[str, list[cst.BaseExpression]]:
@@ -454,7 +324,7 @@ def path_facts(ctx: FileContext, node: cst.CSTNode, receiver: cst.CSTNode) -> se
             facts.add(fact)
 
     child: cst.CSTNode = node
-    for parent in index_of(ctx).ancestors(node):
+    for parent in ctx.ancestors(node):
         if isinstance(parent, cst.If):
             if child is parent.body:
                 add(cond.implies(parent.test, True))
@@ -568,16 +438,14 @@ def function_exposes(func: cst.FunctionDef, helpers: frozenset[str]) -> bool:
 
 def is_before(ctx: FileContext, first: cst.CSTNode, second: cst.CSTNode) -> bool:
     """Whether `first` comes before `second` in a pre-order walk (source order for statements)."""
-    order = index_of(ctx).order
-    return order[first] < order[second]
+    return ctx.index(first) < ctx.index(second)
 
 
 def mutually_exclusive(ctx: FileContext, a: cst.CSTNode, b: cst.CSTNode) -> bool:
     """True when `a` and `b` sit in different branches of one `if`/ternary, or one is in a `try` body and
     the other in its handlers (never both run on one path)."""
-    index = index_of(ctx)
-    chain_a = [a, *index.ancestors(a)]
-    chain_b = [b, *index.ancestors(b)]
+    chain_a = [a, *ctx.ancestors(a)]
+    chain_b = [b, *ctx.ancestors(b)]
     on_b = {id(n): i for i, n in enumerate(chain_b)}
     for i, node in enumerate(chain_a):
         j = on_b.get(id(node))
@@ -596,7 +464,7 @@ def mutually_exclusive(ctx: FileContext, a: cst.CSTNode, b: cst.CSTNode) -> bool
 
 def statement_of(ctx: FileContext, node: cst.CSTNode) -> cst.CSTNode | None:
     """The innermost statement (simple statement line or compound statement) holding `node`."""
-    for ancestor in [node, *index_of(ctx).ancestors(node)]:
+    for ancestor in [node, *ctx.ancestors(node)]:
         if isinstance(ancestor, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             return ancestor
     return None
@@ -608,7 +476,7 @@ def in_fsdp_only_code(ctx: FileContext, node: cst.CSTNode) -> bool:
     parts = ctx.path.replace("\\", "/").lower().split("/")
     if any("fsdp" in part for part in parts):
         return True
-    for ancestor in index_of(ctx).ancestors(node):
+    for ancestor in ctx.ancestors(node):
         if isinstance(ancestor, (cst.ClassDef, cst.FunctionDef)):
             name = ancestor.name.value.lower()
             if "fsdp" in name or "fullyshard" in name:

@@ -12,7 +12,6 @@ from maingrad.analyzer.rules._common import (
     code_of,
     enclosing_function,
     getattr_of,
-    index_of,
     is_simple_chain,
     local_bindings,
     main_grad_receiver,
@@ -274,18 +273,21 @@ uses are reported without a fix.
         # Locals bound to main_grad somewhere in the file: only those Names need the per-function check.
         candidates = {
             target.target.value
-            for assign in index_of(ctx).of_type(cst.Assign)
+            for assign in ctx.nodes(cst.Assign)
             if isinstance(assign, cst.Assign) and _is_main_grad_value(assign.value, {})
             for target in assign.targets
             if isinstance(target.target, cst.Name)
         }
         binding_cache: dict[int, dict[str, list[cst.BaseExpression]]] = {}
-        for node in index_of(ctx).of_type(cst.Attribute, cst.Call, cst.Name):
+        nodes = [n for n in ctx.nodes(cst.Attribute) if n.attr.value == "main_grad"]  # type: ignore[attr-defined]
+        nodes += [n for n in ctx.nodes(cst.Call) if _is_main_grad_value(n, {})]
+        nodes += [n for n in ctx.nodes(cst.Name) if n.value in candidates]  # type: ignore[attr-defined]
+        for node in nodes:
             bindings: dict[str, list[cst.BaseExpression]] = {}
             if isinstance(node, cst.Name):
                 if node.value not in candidates:
                     continue
-                parent = index_of(ctx).parent(node)
+                parent = ctx.parent(node)
                 if isinstance(parent, cst.Attribute) and parent.attr is node:
                     continue
                 func = enclosing_function(ctx, node)
@@ -301,7 +303,7 @@ uses are reported without a fix.
                 yield violation
 
     def _violation(self, ctx: FileContext, node: cst.BaseExpression) -> Violation | None:
-        parent = index_of(ctx).parent(node)
+        parent = ctx.parent(node)
         what = code_of(node.with_changes(lpar=[], rpar=[])) if node.lpar else code_of(node)
         message = (
             f"truth value of tensor `{what}` is taken; test presence with `{what} is None` / "
@@ -312,7 +314,7 @@ uses are reported without a fix.
             return Violation(parent, message, Fix({parent: replacement}, f"`not {what}` -> `{what} is None`"))
         call = _bool_call_of(ctx, node)
         if call is not None:
-            grand = index_of(ctx).parent(call)
+            grand = ctx.parent(call)
             bare_ok = isinstance(grand, (*_TRUTH_PARENTS, cst.BooleanOperation)) or (
                 isinstance(grand, cst.UnaryOperation) and isinstance(grand.operator, cst.Not)
             )
@@ -346,15 +348,15 @@ uses are reported without a fix.
 
 def _bool_call_of(ctx: FileContext, node: cst.CSTNode) -> cst.Call | None:
     """The `bool(node)` call around `node`, if any."""
-    arg = index_of(ctx).parent(node)
-    call = index_of(ctx).parent(arg) if isinstance(arg, cst.Arg) else None
+    arg = ctx.parent(node)
+    call = ctx.parent(arg) if isinstance(arg, cst.Arg) else None
     if isinstance(call, cst.Call) and _is_bool_call(ctx, call) and call.args[0] is arg:
         return call
     return None
 
 
 def _use(ctx: FileContext, node: cst.CSTNode) -> _Use:
-    parent = index_of(ctx).parent(node)
+    parent = ctx.parent(node)
     if isinstance(parent, (cst.If, cst.While)) and parent.test is node:
         return _Use.TRUTH
     if isinstance(parent, cst.Assert) and parent.test is node:

@@ -13,7 +13,6 @@ from maingrad.analyzer.rules._common import (
     code_of,
     enclosing_class,
     in_fsdp_only_code,
-    index_of,
     is_simple_chain,
     main_grad_receiver,
     path_facts,
@@ -256,7 +255,7 @@ fix `X.get_main_grad() if hasattr(X, "get_main_grad") else X.main_grad`.
     ]
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
-        for call in index_of(ctx).of_type(cst.Call):
+        for call in ctx.nodes(cst.Call):
             assert isinstance(call, cst.Call)
             func = call.func
             if not (isinstance(func, cst.Attribute) and func.attr.value == "get_main_grad"):
@@ -296,11 +295,11 @@ fix `X.get_main_grad() if hasattr(X, "get_main_grad") else X.main_grad`.
     def _fix(ctx: FileContext, call: cst.Call, receiver: cst.BaseExpression) -> Fix | None:
         if not is_simple_chain(receiver):
             return None
-        line = index_of(ctx).parent(index_of(ctx).parent(call) or call)
-        small = index_of(ctx).parent(call)
+        line = ctx.parent(ctx.parent(call) or call)
+        small = ctx.parent(call)
         if not isinstance(line, cst.SimpleStatementLine) or len(line.body) != 1:
             return None
-        if not isinstance(index_of(ctx).parent(line), (cst.IndentedBlock, cst.Module)):
+        if not isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)):
             return None
         key = code_of(receiver)
         guard = cst.parse_expression(f'hasattr({code_of(receiver)}, "get_main_grad")')
@@ -331,5 +330,5 @@ fix `X.get_main_grad() if hasattr(X, "get_main_grad") else X.main_grad`.
 
 
 def _context(ctx: FileContext, call: cst.Call) -> cst.CSTNode:
-    line = index_of(ctx).enclosing(call, cst.SimpleStatementLine)
+    line = ctx.enclosing(call, cst.SimpleStatementLine)
     return line if line is not None else call
