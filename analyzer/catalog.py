@@ -114,32 +114,78 @@ def rule_ids_on_disk() -> tuple[str, ...]:
     return tuple(sorted(p.name[:5].upper() for p in (PACKAGE_DIR / "rules").glob("mg[0-9][0-9][0-9]_*.py")))
 
 
-def load_rules_metadata() -> tuple[RuleMeta, ...]:
-    """Import the rules (and libcst) and copy their metadata."""
-    from maingrad.analyzer.rules import all_rules
+# Rules registered at run time (plugins, and tests that define their own rules) on top of the built-in
+# `analyzer/rules/mgNNN_*.py` modules. Worker processes started by fork inherit them.
+_EXTRA_RULES: dict[str, type] = {}
 
-    return tuple(
-        RuleMeta(
-            id=rule.id,
-            name=rule.name,
-            severity=Severity(rule.severity),
-            summary=rule.summary,
-            help_uri=rule.help_uri(),
-            docs=rule.docs,
-            needles=tuple(rule.needles),
-            fixable=bool(rule.fixable),
-        )
-        for rule in all_rules()
+
+def register_rule(rule: type) -> None:
+    """Add a Rule subclass to every scan in this process (replaces a registered rule of the same id)."""
+    _EXTRA_RULES[rule.id] = rule
+
+
+def unregister_rule(rule_id: str) -> None:
+    _EXTRA_RULES.pop(rule_id, None)
+
+
+def rule_classes() -> dict[str, type]:
+    """Built-in and registered rule classes by id (imports libcst)."""
+    from maingrad.analyzer.rules import rules_by_id
+
+    return {**rules_by_id(), **_EXTRA_RULES}
+
+
+def extra_rules_signature() -> str:
+    """Identity of the registered rules' code, for cache keys (their sources are not in the package)."""
+    import inspect
+
+    digest = hashlib.blake2b(digest_size=16)
+    for rule_id in sorted(_EXTRA_RULES):
+        rule = _EXTRA_RULES[rule_id]
+        try:
+            code = inspect.getsource(rule)
+        except (OSError, TypeError):
+            code = repr(id(rule))  # no source: never share cache entries across processes
+        digest.update(f"{rule_id}\0{rule.__module__}.{rule.__qualname__}\0{code}\0".encode())
+    return digest.hexdigest() if _EXTRA_RULES else ""
+
+
+def _meta(rule: type) -> RuleMeta:
+    return RuleMeta(
+        id=rule.id,
+        name=rule.name,
+        severity=Severity(rule.severity),
+        summary=rule.summary,
+        help_uri=rule.help_uri(),
+        docs=rule.docs,
+        needles=tuple(rule.needles),
+        fixable=bool(rule.fixable),
     )
 
 
+def load_rules_metadata() -> tuple[RuleMeta, ...]:
+    """Import the built-in rules (and libcst) and copy their metadata."""
+    from maingrad.analyzer.rules import all_rules
+
+    return tuple(_meta(rule) for rule in all_rules() if rule.id not in _EXTRA_RULES)
+
+
+def _with_extras(builtin: tuple[RuleMeta, ...]) -> tuple[RuleMeta, ...]:
+    if not _EXTRA_RULES:
+        return builtin
+    kept = [r for r in builtin if r.id not in _EXTRA_RULES]
+    return tuple(sorted([*kept, *(_meta(rule) for rule in _EXTRA_RULES.values())], key=lambda r: r.id))
+
+
 def load_catalog(cache_dir: Path | None) -> tuple[RuleMeta, ...]:
-    """Every real rule's metadata, from `cache_dir` when it holds a copy for the current sources."""
+    """Every rule's metadata (built-in ones from `cache_dir` when it holds a copy for the current
+    sources, so a warm run does not import libcst), plus registered rules."""
     if cache_dir is None:
-        return load_rules_metadata()
+        return _with_extras(load_rules_metadata())
     path = cache_dir / f"catalog-{source_hash()}.json"
     try:
-        return tuple(RuleMeta.from_dict(item) for item in json.loads(path.read_text(encoding="utf-8")))
+        cached = tuple(RuleMeta.from_dict(item) for item in json.loads(path.read_text(encoding="utf-8")))
+        return _with_extras(cached)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     rules = load_rules_metadata()
@@ -151,4 +197,4 @@ def load_catalog(cache_dir: Path | None) -> tuple[RuleMeta, ...]:
                 old.unlink(missing_ok=True)
     except OSError:
         pass  # a read-only tree just runs without a cached catalog
-    return rules
+    return _with_extras(rules)

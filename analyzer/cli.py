@@ -271,14 +271,14 @@ def _apply_fixes(
     return EXIT_OK
 
 
-def _catalog_for_cwd() -> tuple[Any, ...]:
-    from maingrad.analyzer.catalog import UNUSED_SUPPRESSION, load_rules_metadata
+def _all_rules_meta() -> tuple[Any, ...]:
+    from maingrad.analyzer.catalog import UNUSED_SUPPRESSION, load_catalog
 
-    return (UNUSED_SUPPRESSION, *load_rules_metadata())
+    return (UNUSED_SUPPRESSION, *load_catalog(None))
 
 
 def run_rules(args: argparse.Namespace) -> int:
-    rules = _catalog_for_cwd()
+    rules = _all_rules_meta()
     if args.format == "json":
         print(json.dumps([{k: v for k, v in r.to_dict().items() if k != "docs"} for r in rules], indent=2))
         return EXIT_OK
@@ -294,11 +294,11 @@ def run_explain(args: argparse.Namespace) -> int:
     from maingrad.analyzer.docs import render_page
 
     wanted = args.rule.strip().upper()
-    for rule in _catalog_for_cwd():
+    for rule in _all_rules_meta():
         if rule.id == wanted or rule.name == args.rule.strip():
             sys.stdout.write(render_page(rule))
             return EXIT_OK
-    known = ", ".join(r.id for r in _catalog_for_cwd())
+    known = ", ".join(r.id for r in _all_rules_meta())
     return _error(f"unknown rule {args.rule!r} (known: {known})")
 
 

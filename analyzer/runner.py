@@ -20,7 +20,7 @@ from typing import Any
 import pathspec
 from maingrad.analyzer import __version__
 from maingrad.analyzer.cache import ResultCache, content_hash
-from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID, RuleMeta
+from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID, RuleMeta, extra_rules_signature
 from maingrad.analyzer.discovery import SourceFile
 from maingrad.analyzer.fileio import decode_source
 from maingrad.analyzer.progress import Progress
@@ -51,6 +51,7 @@ class ScanSettings:
             "severities": list(self.severities),
             "exposure_helpers": list(self.exposure_helpers),
             "warn_unused_ignores": self.warn_unused_ignores,
+            "extra_rules": extra_rules_signature(),
         }
 
 
@@ -97,10 +98,10 @@ def _init_worker(settings: ScanSettings) -> None:
 
 
 def _rule_instances(ids: Sequence[str]) -> list[Any]:
-    from maingrad.analyzer.rules import rules_by_id
+    from maingrad.analyzer.catalog import rule_classes
 
     instances: dict[str, Any] = _STATE["instances"]
-    registry = rules_by_id()
+    registry = rule_classes()
     for rid in ids:
         if rid not in instances:
             instances[rid] = registry[rid]()

@@ -23,7 +23,12 @@ def all_rules() -> tuple[type[Rule], ...]:
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         for value in vars(module).values():
-            if isinstance(value, type) and issubclass(value, Rule) and value is not Rule and hasattr(value, "id"):
+            if (
+                isinstance(value, type)
+                and issubclass(value, Rule)
+                and value is not Rule
+                and hasattr(value, "id")
+            ):
                 if value.__module__ == module.__name__:
                     found.append(value)
     return tuple(sorted(found, key=lambda r: r.id))
