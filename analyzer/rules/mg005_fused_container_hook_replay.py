@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import libcst as cst
+from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.report import Severity
@@ -42,20 +43,22 @@ _INNOCUOUS = frozenset(
 _MAX_DEPTH = 4
 
 
-def _walk(node: cst.CSTNode, *, root: bool = True) -> Iterator[cst.CSTNode]:
+_SCOPES = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
+
+
+def _walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
     """Pre-order, source-order walk that does not enter nested functions, classes or lambdas."""
-    if not root and isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-        return
-    yield node
-    for child in node.children:
-        yield from _walk(child, root=False)
+    return walk.walk(node, lambda n: isinstance(n, _SCOPES))
 
 
 def _walk_all(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
     """Pre-order walk that includes nested functions (for "does this function do X anywhere")."""
-    yield node
-    for child in node.children:
-        yield from _walk_all(child)
+    return walk.walk(node)
+
+
+def _mentions_hooks(node: cst.CSTNode) -> bool:
+    """Does the subtree read some module's `_forward_pre_hooks` (the replay's signature)?"""
+    return any(isinstance(n, cst.Attribute) and n.attr.value == _REPLAY_TEXT for n in walk.walk(node))
 
 
 def _strip_subscripts(node: cst.BaseExpression) -> cst.BaseExpression:
@@ -103,22 +106,25 @@ class _FileIndex:
     @classmethod
     def build(cls, ctx: FileContext) -> _FileIndex:
         index = cls(ctx)
-        index._collect(ctx.module, None, None)
+        for node in ctx.nodes(cst.FunctionDef, cst.ClassDef):
+            if isinstance(node, cst.ClassDef):
+                index.classes.setdefault(node.name.value, []).append(node)
+                continue
+            assert isinstance(node, cst.FunctionDef)
+            klass: cst.ClassDef | None = None
+            func: cst.FunctionDef | None = None
+            for ancestor in ctx.ancestors(node):
+                if isinstance(ancestor, cst.FunctionDef):
+                    func = ancestor
+                    break
+                if isinstance(ancestor, cst.ClassDef):
+                    klass = ancestor
+                    break
+            index.owner[node] = klass
+            index.enclosing[node] = func
+            if klass is None and func is None:
+                index.module_funcs.setdefault(node.name.value, []).append(node)
         return index
-
-    def _collect(self, node: cst.CSTNode, klass: cst.ClassDef | None, func: cst.FunctionDef | None) -> None:
-        for child in node.children:
-            if isinstance(child, cst.FunctionDef):
-                self.owner[child] = klass if func is None else None
-                self.enclosing[child] = func
-                if klass is None and func is None:
-                    self.module_funcs.setdefault(child.name.value, []).append(child)
-                self._collect(child, None, child)
-            elif isinstance(child, cst.ClassDef):
-                self.classes.setdefault(child.name.value, []).append(child)
-                self._collect(child, child, None)
-            else:
-                self._collect(child, klass, func)
 
     # Classes ---------------------------------------------------------------------------------------------
     def method_class(self, func: cst.FunctionDef) -> tuple[cst.ClassDef | None, cst.FunctionDef | None]:
@@ -369,11 +375,11 @@ class _Analysis:
         """Does the hook function `func` call submodules' `_forward_pre_hooks` (or plausibly so)?"""
         if depth > _MAX_DEPTH:
             return False
-        if _REPLAY_TEXT in self.ctx.code(func):
+        if _mentions_hooks(func):
             return True
         outer = self.index.enclosing.get(func)
         while outer is not None:  # a closure over hooks collected by the function that defines it
-            if _REPLAY_TEXT in self.ctx.code(outer):
+            if _mentions_hooks(outer):
                 return True
             outer = self.index.enclosing.get(outer)
         for node in _walk_all(func.body):
@@ -539,7 +545,7 @@ class _Analysis:
     def _replays_manually(self, func: cst.FunctionDef) -> bool:
         """An OperationFuser cannot hold hooks: accept a replay anywhere in the function or its class."""
         klass, _ = self.index.method_class(func)
-        return _REPLAY_TEXT in self.ctx.code(klass if klass is not None else func)
+        return _mentions_hooks(klass if klass is not None else func)
 
     def _record_store(self, target: cst.BaseExpression, value: cst.BaseExpression, containers, func) -> None:
         if (
@@ -979,13 +985,21 @@ decision. Hooks and helpers the analyzer cannot see (imported from other files) 
         if "register_module_forward_pre_hook" in ctx.source:
             return  # a global hook runs for every module, containers included: cannot reason about it
         analysis: _Analysis | None = None
-        for node in _walk_all(ctx.module):
-            if not isinstance(node, cst.FunctionDef):
+        done: set[cst.FunctionDef] = set()
+        for call in ctx.nodes(cst.Call):
+            assert isinstance(call, cst.Call)
+            if not isinstance(call.func, (cst.Name, cst.Attribute)):
                 continue
-            code = ctx.code(node)
-            if "Sequential" not in code and "OperationFuser" not in code:
+            last = call.func.value if isinstance(call.func, cst.Name) else call.func.attr.value
+            if last not in ("Sequential", "OperationFuser") and last not in ctx.names.aliases:
                 continue
             analysis = analysis or _Analysis(ctx)
+            if analysis.container_kind(call) is None:
+                continue
+            node = next((a for a in ctx.ancestors(call) if isinstance(a, cst.FunctionDef)), None)
+            if node is None or node in done:
+                continue
+            done.add(node)
             for box in analysis.scan(node):
                 kind = "op-fuser Sequential" if box.hookable else "OperationFuser"
                 remedy = (
