@@ -1,1 +1,48 @@
-"""maingrad.hooks: runtime exposure of main_grad and per-call records (imports only torch and the stdlib)."""
+"""maingrad.hooks: runtime exposure of main_grad and per-call records (imports only torch and the stdlib).
+
+    handle = maingrad.hooks.install(model)   # after wrapping with DDP / Megatron-FSDP
+    ...; handle.step(); ...; print(handle.summary()); handle.remove()
+
+Attributes load lazily, so `import maingrad.hooks` (and the `maingrad` CLI) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "install": "api",
+    "watch": "api",
+    "Handle": "api",
+    "expose_main_grad": "expose",
+    "MainGradContractError": "errors",
+    "MainGradHooksWarning": "errors",
+    "Summary": "summary",
+    "ModuleSummary": "summary",
+    "summarize_records": "summary",
+    "MemorySink": "sinks",
+    "JsonlSink": "sinks",
+    "HttpSink": "sinks",
+    "Sink": "sinks",
+    "ANOMALIES": "records",
+    "FIELDS": "records",
+    "SCHEMA_VERSION": "records",
+    "validate_record": "records",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'maingrad.hooks' has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    value = getattr(module, "validate" if name == "validate_record" else name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

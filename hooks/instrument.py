@@ -1,0 +1,516 @@
+"""The hooks themselves: one `Site` per instrumented module, sharing one `Runtime` per handle.
+
+Hot-path rules (DESIGN.md §4): metadata only. Hooks read attributes, `dtype`, `shape`, `device` and
+`data_ptr()`; never `.item()`, `bool(tensor)` or a tensor comparison, so they never synchronize the device.
+Rows hold no tensor (dtype/shape/device objects and ints only), so no main_grad buffer outlives its owner
+because of us. Parameters are looked up in their owner's `_parameters` at every call, because Megatron-FSDP
+swaps the Parameter objects (raw <-> distributed) every step.
+
+Every hook body is wrapped: an internal failure becomes a `hook_error` record and a counter, never an
+exception into training. The only exception that leaves a hook is `MainGradContractError`, in `check` mode.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from functools import partial
+from operator import itemgetter
+from time import time_ns
+from typing import Any
+
+import torch
+
+from .discovery import CONTAINER, TargetSpec
+from .errors import MainGradContractError, MainGradHooksWarning
+from .records import (
+    A_ERROR,
+    A_EXPOSED,
+    A_NONE,
+    A_RAISED,
+    BACKWARD,
+    FATAL_ANOMALIES,
+    FORWARD,
+    PHASES,
+    RecordRing,
+)
+
+_MISSING = object()
+_Tensor = torch.Tensor
+
+MISSING = "main_grad_missing"
+NONE = "main_grad_none"
+NOT_TENSOR = "main_grad_not_tensor"
+GET_FAILED = "get_main_grad_failed"
+SHAPE = "main_grad_shape_mismatch"
+PARAM_MISSING = "param_missing"
+FLAG = "flag_not_bool"
+OVERWRITE = "overwrite_discards_microbatch"
+HOOK_ERROR = "hook_error"
+
+
+def _refreshable(param: Any) -> bool:
+    """TE and Megatron refresh main_grad from get_main_grad() in backward when the param has __fsdp_param__."""
+    return hasattr(param, "__fsdp_param__") and callable(getattr(param, "get_main_grad", None))
+
+
+def _is_distributed(param: Any) -> bool:
+    return hasattr(param, "_local_tensor") or hasattr(param, "to_local")
+
+
+def _grad_tensor(output: Any) -> torch.Tensor | None:
+    """The first output tensor that will receive a gradient (modules may return tuples, e.g. (out, bias))."""
+    if isinstance(output, _Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            if isinstance(item, _Tensor) and item.requires_grad:
+                return item
+    elif isinstance(output, dict):
+        for item in output.values():
+            if isinstance(item, _Tensor) and item.requires_grad:
+                return item
+    return None
+
+
+def _remedy(problem: str, param: Any) -> str:
+    if problem in (MISSING, NONE, GET_FAILED):
+        if callable(getattr(param, "get_main_grad", None)):
+            return (
+                "expose main_grad before the fused forward: call maingrad.hooks.install(model) (mode 'fix') "
+                "after wrapping the model with Megatron-FSDP, or maingrad.hooks.expose_main_grad(module) in a "
+                "pre-forward hook; megatron-core >= 0.19 does this itself for TEGroupedMLP"
+            )
+        return (
+            "the parameter has no main_grad and no get_main_grad(): wrap the model with Megatron "
+            "DistributedDataParallel or Megatron-FSDP before the first forward, or build this module without "
+            "fused wgrad accumulation (gradient_accumulation_fusion / accumulate_into_main_grad = False)"
+        )
+    if problem == NOT_TENSOR:
+        return "assign a tensor to main_grad (or leave it to get_main_grad()); never a placeholder value"
+    return "main_grad must be this parameter's gradient-buffer view with the same number of elements"
+
+
+class Runtime:
+    """State shared by all sites of one handle: mode, step counter, ring buffer, error counters."""
+
+    def __init__(self, mode: str, overwrite_policy: str, sample_every: int, ring: RecordRing) -> None:
+        self.mode = mode
+        self.fix = mode == "fix"
+        self.check = mode == "check"
+        self.observe = mode == "observe"
+        self.force_true = self.fix and overwrite_policy == "force_true"
+        self.fast_fix = self.fix and not self.force_true
+        self.sample_every = sample_every
+        self.needs_backward = sample_every > 0 or self.check
+        self.step = 0
+        self.ring = ring
+        self.live = True
+        self.internal_errors = 0
+        self.last_error: str | None = None
+
+    def hook_error(self, site: Site, phase: int, mb: int, slot: int, exc: BaseException) -> None:
+        """Count and record an internal failure; must itself never raise (keeps no traceback: it holds frames)."""
+        try:
+            self.internal_errors += 1
+            self.last_error = f"{site.path} {PHASES[phase]}: {type(exc).__name__}: {exc}"[:500]
+            site.errors += 1
+            site.anomalies[HOOK_ERROR] = site.anomalies.get(HOOK_ERROR, 0) + 1
+            ring = self.ring
+            ring.append(
+                (ring.next_seq(), time_ns(), self.step, mb, phase, site.index, slot)
+                + (False, None, None, None, None, None, None, None, False, A_ERROR, HOOK_ERROR)
+            )
+        except Exception:  # noqa: BLE001 - the error path of an error path: swallow, training goes on
+            pass
+
+
+class Site:
+    """Hooks of one instrumented module and the per-module counters the summary reports."""
+
+    __slots__ = (
+        "rt",
+        "index",
+        "path",
+        "kind",
+        "strict",
+        "groups",
+        "fast",
+        "nslots",
+        "relnames",
+        "fwd_calls",
+        "bwd_calls",
+        "records",
+        "exposed",
+        "raised",
+        "errors",
+        "anomalies",
+        "mb",
+        "last_bwd_ptr",
+        "pending",
+        "order_checked",
+        "late_handle",
+        "late_ref",
+        "pre_ptrs",
+        "relax_once",
+        "self_exposing",
+        "__weakref__",
+    )
+
+    def __init__(self, rt: Runtime, index: int, spec: TargetSpec) -> None:
+        self.rt = rt
+        self.index = index
+        self.path = spec.path
+        self.kind = spec.kind
+        self.strict = spec.strict_forward
+        # Group slots by owner module, keeping discovery order (records' param order).
+        owners: list[torch.nn.Module] = []
+        names: dict[int, list[str]] = {}
+        wgrads: dict[int, list[bool]] = {}
+        self.relnames: list[str] = []
+        for slot in spec.slots:
+            key = id(slot.owner)
+            if key not in names:
+                owners.append(slot.owner)
+                names[key], wgrads[key] = [], []
+            names[key].append(slot.name)
+            wgrads[key].append(slot.wgrad)
+        for owner in owners:
+            key = id(owner)
+            # relnames in the same (grouped) order the hooks walk the slots
+            prefix = {s.name: s.relname for s in spec.slots if s.owner is owner}
+            self.relnames.extend(prefix[name] for name in names[key])
+        self.groups = tuple((o, tuple(names[id(o)]), tuple(wgrads[id(o)])) for o in owners)
+        self.fast = tuple((o, itemgetter(*names[id(o)]), len(names[id(o)]) == 1) for o in owners)
+        self.nslots = len(self.relnames)
+        self.fwd_calls = 0
+        self.bwd_calls = 0
+        self.records = 0
+        self.exposed = 0
+        self.raised = 0
+        self.errors = 0
+        self.anomalies: dict[str, int] = {}
+        self.mb = 0
+        self.last_bwd_ptr = [0] * self.nslots
+        self.pending: tuple | None = None
+        self.order_checked = False
+        self.late_handle: Any = None  # our pre-hook on a container's fused object (see container_pre_forward)
+        self.late_ref: weakref.ref | None = None
+        self.pre_ptrs: list[int] | None = None  # main_grad data_ptrs seen at the container's pre-forward
+        self.relax_once = False
+        # megatron-core >= 0.19 TEGroupedMLP exposes main_grad itself, after our first-call hook has run
+        self.self_exposing = self.is_container and any(
+            callable(getattr(type(spec.module), name, None))
+            for name in ("_ensure_main_grad_for_fused_impl", "_ensure_main_grad")
+        )
+
+    @property
+    def is_container(self) -> bool:
+        return self.kind == CONTAINER
+
+    # -- hooks -----------------------------------------------------------------------------------------
+    def container_pre_forward(self, module: torch.nn.Module, args: Any = None) -> None:
+        """Pre-hook of a container keeping its fused object in `_fused_ops` (megatron-core TEGroupedMLP).
+
+        Once the fused object exists (built lazily in the first forward), the work moves to a pre-hook on it,
+        appended after the container's own pre-hook there, which replays the children's (Megatron-FSDP
+        unshard) hooks and, from megatron-core 0.19 on, exposes main_grad itself: the point right before the
+        fused kernels, so what is recorded at forward is what the fused op sees. Here we then only note which
+        main_grad buffers the call starts with (for the overwrite heuristic, when the call is recorded).
+        Before the fused object exists (the first call) the work is done here.
+        """
+        rt = self.rt
+        if not rt.live:
+            return None
+        try:
+            fused = module.__dict__.get("_fused_ops")
+            if type(fused) is tuple and len(fused) == 1 and isinstance(fused[0], torch.nn.Module):
+                target = fused[0]
+                late = self.late_ref() if self.late_ref is not None else None
+                if late is not target:
+                    if self.late_handle is not None:
+                        self.late_handle.remove()
+                    self.late_handle = target.register_forward_pre_hook(self.pre_forward)
+                    self.late_ref = weakref.ref(target)
+                    self.order_checked = False
+                every = rt.sample_every
+                if (every > 0 and self.fwd_calls % every == 0) or rt.check:
+                    self.pre_ptrs = self._current_ptrs()
+                return None
+            # First call: the container's own exposure (0.19+) has not run yet; do not flag what it will fix.
+            self.relax_once = self.self_exposing
+        except Exception as exc:  # noqa: BLE001
+            rt.hook_error(self, FORWARD, self.mb, -1, exc)
+        return self.pre_forward(module, args)
+
+    def _current_ptrs(self) -> list[int]:
+        ptrs = []
+        for owner, names, _ in self.groups:
+            params = owner._parameters
+            for name in names:
+                mg = getattr(params.get(name), "main_grad", None)
+                ptrs.append(mg.data_ptr() if isinstance(mg, _Tensor) else 0)
+        return ptrs
+
+    def detach(self) -> None:
+        """Remove the hook this site added outside the handle's list (the fused object's pre-hook)."""
+        if self.late_handle is not None:
+            self.late_handle.remove()
+            self.late_handle = None
+        self.late_ref = None
+
+    def pre_forward(self, module: torch.nn.Module, args: Any = None) -> None:
+        """Forward pre-hook. Also accepts Megatron's replay `hook(module, None)`; always returns None."""
+        rt = self.rt
+        if not rt.live:
+            return None
+        mb = self.mb
+        try:
+            n = self.fwd_calls = self.fwd_calls + 1
+            self.mb = mb + 1
+            every = rt.sample_every
+            record = every > 0 and (n - 1) % every == 0
+            if not record:
+                if rt.observe:
+                    self.pending = None
+                    return None
+                if rt.fast_fix and self.order_checked and self._all_present():
+                    self.pending = None
+                    return None
+            if not self.order_checked:
+                self._check_order(module)
+            ptrs = self._inspect(FORWARD, mb, record, None)
+            if self.pre_ptrs is not None:  # a container: the state before its own pre-hook ran
+                ptrs, self.pre_ptrs = self.pre_ptrs, None
+            self.pending = (mb, record, ptrs) if (record or rt.check) else None
+        except MainGradContractError:
+            self.pending = None
+            raise
+        except Exception as exc:  # noqa: BLE001 - observe/fix must never break training
+            self.pending = None
+            rt.hook_error(self, FORWARD, mb, -1, exc)
+        finally:
+            self.relax_once = False
+        return None
+
+    def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: attach the backward recorder to the output's gradient (no sync, no output change)."""
+        rt = self.rt
+        pending = self.pending
+        if pending is None or not rt.live:
+            return None
+        self.pending = None
+        try:
+            if torch.is_grad_enabled():
+                tensor = _grad_tensor(output)
+                if tensor is not None:
+                    tensor.register_hook(partial(self.on_backward, pending))
+        except Exception as exc:  # noqa: BLE001
+            rt.hook_error(self, FORWARD, pending[0], -1, exc)
+        return None
+
+    def on_backward(self, pending: tuple, grad: Any) -> None:
+        """Gradient hook on the module's output: runs right before the module's backward (the fused wgrad)."""
+        rt = self.rt
+        if not rt.live:
+            return None
+        mb, record, ptrs = pending
+        try:
+            self.bwd_calls += 1
+            self._inspect(BACKWARD, mb, record, ptrs)
+        except MainGradContractError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            rt.hook_error(self, BACKWARD, mb, -1, exc)
+        return None
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _all_present(self) -> bool:
+        """Fast path of fix mode: every covered parameter already has a main_grad that is not None."""
+        try:
+            for owner, getter, single in self.fast:
+                found = getter(owner._parameters)
+                if single:
+                    if getattr(found, "main_grad", None) is None:
+                        return False
+                else:
+                    for param in found:
+                        if getattr(param, "main_grad", None) is None:
+                            return False
+        except KeyError:
+            return False
+        return True
+
+    def _check_order(self, module: torch.nn.Module) -> None:
+        """Warn once if an unshard-like pre-forward hook runs after ours on the same module."""
+        self.order_checked = True
+        hooks = list(module._forward_pre_hooks.values())
+        mine = self.pre_forward
+        position = next((i for i, h in enumerate(hooks) if h == mine), None)
+        if position is None:
+            return
+        for hook in hooks[position + 1 :]:
+            name = getattr(hook, "__qualname__", None) or getattr(
+                getattr(hook, "func", None), "__qualname__", ""
+            )
+            if "unshard" in name or "all_gather" in name:
+                warnings.warn(
+                    f"maingrad hooks on {self.path or '(root)'} run before {name}; install the hooks after "
+                    "wrapping the model so they see the unsharded parameters",
+                    MainGradHooksWarning,
+                    stacklevel=2,
+                )
+                return
+
+    def _inspect(self, phase: int, mb: int, record: bool, fwd_ptrs: list[int] | None) -> list[int] | None:
+        """Read (and in fix mode repair) every covered parameter; append rows; raise in check mode."""
+        rt = self.rt
+        forward = phase == FORWARD
+        fix = rt.fix and forward
+        force = rt.force_true and forward
+        check = rt.check
+        strict = self.strict and forward and not self.relax_once
+        ptrs = [0] * self.nslots if (forward and (record or check)) else None
+        last = None if forward else self.last_bwd_ptr
+        anomalies = self.anomalies
+        problems: list[tuple[str, str, Any]] | None = None
+        if record:
+            t = time_ns()
+            step = rt.step
+            append = rt.ring.append
+            next_seq = rt.ring.next_seq
+            site = self.index
+        i = -1
+        for owner, names, wgrads in self.groups:
+            params = owner._parameters
+            for name, wgrad in zip(names, wgrads, strict=True):
+                i += 1
+                try:
+                    p = params.get(name)
+                    if p is None:
+                        anomalies[PARAM_MISSING] = anomalies.get(PARAM_MISSING, 0) + 1
+                        if record:
+                            append(
+                                (next_seq(), t, step, mb, phase, site, i)
+                                + (
+                                    False,
+                                    None,
+                                    None,
+                                    None,
+                                    None,
+                                    None,
+                                    None,
+                                    None,
+                                    False,
+                                    A_NONE,
+                                    PARAM_MISSING,
+                                )
+                            )
+                        continue
+                    mg = getattr(p, "main_grad", _MISSING)
+                    action = A_NONE
+                    anomaly = None
+                    if fix and (mg is None or mg is _MISSING):
+                        get_main_grad = getattr(p, "get_main_grad", None)
+                        if get_main_grad is not None:
+                            try:
+                                new = get_main_grad()
+                            except Exception:  # noqa: BLE001 - recorded as an anomaly, TE raises its own
+                                anomaly = GET_FAILED
+                            else:
+                                if isinstance(new, _Tensor):
+                                    p.main_grad = mg = new
+                                    action = A_EXPOSED
+                                    self.exposed += 1
+                                else:
+                                    anomaly = GET_FAILED
+                    ow = getattr(p, "overwrite_main_grad", _MISSING)
+                    if force and ow is not _MISSING:
+                        p.overwrite_main_grad = ow = True
+                    if isinstance(mg, _Tensor):
+                        is_tensor = True
+                        ptr = mg.data_ptr()
+                        if ptrs is not None and action == A_NONE:
+                            ptrs[i] = ptr
+                    else:
+                        is_tensor = False
+                        ptr = None
+                    gam = getattr(p, "grad_added_to_main_grad", None)
+                    bad_flag = False
+                    if ow is _MISSING or ow is None:
+                        ow = None
+                    elif type(ow) is not bool:
+                        ow, bad_flag = None, True
+                    if gam is not None and type(gam) is not bool:
+                        gam, bad_flag = None, True
+                    if wgrad and anomaly is None:
+                        if not is_tensor:
+                            if strict or not _refreshable(p):
+                                anomaly = MISSING if mg is _MISSING else NONE if mg is None else NOT_TENSOR
+                        elif mg.numel() != p.numel() and not _is_distributed(p):
+                            anomaly = SHAPE
+                        elif (
+                            last is not None
+                            and ow is True
+                            and mb > 0
+                            and fwd_ptrs is not None
+                            and fwd_ptrs[i] != 0
+                            and fwd_ptrs[i] == last[i]
+                        ):
+                            anomaly = OVERWRITE
+                        if anomaly is None and bad_flag:
+                            anomaly = FLAG
+                    if last is not None:
+                        last[i] = ptr if is_tensor else 0
+                    if anomaly is not None:
+                        anomalies[anomaly] = anomalies.get(anomaly, 0) + 1
+                        if check and wgrad and anomaly in FATAL_ANOMALIES:
+                            action = A_RAISED
+                            if problems is None:
+                                problems = []
+                            problems.append((self.relnames[i], anomaly, p))
+                    if record:
+                        meta = (mg.dtype, mg.shape, mg.device, ptr) if is_tensor else (None, None, None, None)
+                        append(
+                            (next_seq(), t, step, mb, phase, site, i, mg is not _MISSING)
+                            + ((mg is None) if mg is not _MISSING else None,)
+                            + meta
+                            + (ow, gam, hasattr(p, "__fsdp_param__"), action, anomaly)
+                        )
+                except Exception as exc:  # noqa: BLE001 - one bad parameter must not hide the others
+                    rt.hook_error(self, phase, mb, i, exc)
+        if record:
+            self.records += i + 1
+        if problems:
+            self.raised += 1
+            relname, problem, param = problems[0]
+            raise MainGradContractError(
+                self.path,
+                relname,
+                problem,
+                _remedy(problem, param),
+                phase=PHASES[phase],
+                others=len(problems) - 1,
+            )
+        return ptrs
+
+    def reset_step(self) -> None:
+        self.mb = 0
+        self.last_bwd_ptr = [0] * self.nslots
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "module": self.path,
+            "kind": self.kind,
+            "params": self.nslots,
+            "forward_calls": self.fwd_calls,
+            "backward_calls": self.bwd_calls,
+            "records": self.records,
+            "exposed": self.exposed,
+            "raised": self.raised,
+            "errors": self.errors,
+            "anomalies": dict(self.anomalies),
+        }
+
+
+__all__ = ["Runtime", "Site", "A_ERROR", "A_RAISED"]
