@@ -16,6 +16,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 from maingrad.service import auth, migrate, problems
 from maingrad.service.api.routes import alerts, gate, health, projects, reports, runs
+from maingrad.service.bodies import BodyLimitMiddleware, body_limits
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.metrics import MetricsMiddleware
@@ -80,6 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     problems.install(app)
+    app.add_middleware(BodyLimitMiddleware, limit_for=body_limits(settings))
     app.add_middleware(MetricsMiddleware)
     app.include_router(health.router)
     app.include_router(api_router())

@@ -7,9 +7,15 @@ and gzip is inflated incrementally with `max_length`, so a 10 MB bomb never expa
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
+from typing import Any
 
-from maingrad.service.problems import ProblemError
+from maingrad.service.config import Settings
+from maingrad.service.problems import ProblemError, problem_response
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
+
+SMALL_BODY = 64 * 1024  # every JSON endpoint (projects, tokens, triage) and the login form
 
 _CHUNK = 256 * 1024
 
@@ -91,3 +97,64 @@ def gunzip_capped(data: bytes, limit: int) -> bytes:
     except zlib.error as exc:
         raise ProblemError(422, "invalid_gzip", f"gzip stream is corrupt: {exc}") from None
     return bytes(out)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` when a streamed body passes its limit (FastAPI re-raises HTTPExceptions)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds {limit} bytes")
+        self.limit = limit
+
+
+def body_limits(settings: Settings) -> Callable[[str, str], int]:
+    def limit_for(method: str, path: str) -> int:
+        if method == "POST" and path.endswith("/reports"):
+            return settings.max_body_bytes
+        if method == "POST" and path.endswith("/records"):
+            return settings.max_records_body_bytes
+        return SMALL_BODY
+
+    return limit_for
+
+
+class BodyLimitMiddleware:
+    """Caps every request body before any handler buffers it: by Content-Length up front, else as it streams."""
+
+    def __init__(self, app: Any, limit_for: Callable[[str, str], int]) -> None:
+        self.app = app
+        self.limit_for = limit_for
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit_for(scope["method"], scope["path"])
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared > limit:
+                    response = problem_response(
+                        413,
+                        "body_too_large",
+                        f"request body exceeds {limit} bytes",
+                        instance=scope["path"],
+                        limit=limit,
+                    )
+                    await response(scope, receive, send)
+                    return
+        seen = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, limited, send)

@@ -34,6 +34,8 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
+# SQLite reuses the largest rowid after a delete unless AUTOINCREMENT; our ids order uploads and cursors.
+AUTOINC: dict[str, Any] = {"sqlite_autoincrement": True}
 BigId = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements only INTEGER PRIMARY KEY
 
 
@@ -66,6 +68,7 @@ class Base(DeclarativeBase):
 
 class Project(Base):
     __tablename__ = "projects"
+    __table_args__ = (AUTOINC,)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
@@ -77,6 +80,7 @@ class Token(Base):
     """An API token; only its HMAC is stored. project_id NULL = an instance-wide admin token."""
 
     __tablename__ = "tokens"
+    __table_args__ = (AUTOINC,)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     project_id: Mapped[int | None] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
@@ -98,7 +102,7 @@ class Commit(Base):
     """A commit seen through an upload or a run (ordered by first sight for listing)."""
 
     __tablename__ = "commits"
-    __table_args__ = (UniqueConstraint("project_id", "sha", name="uq_commits_sha"),)
+    __table_args__ = (UniqueConstraint("project_id", "sha", name="uq_commits_sha"), AUTOINC)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
@@ -114,6 +118,7 @@ class Analysis(Base):
     __table_args__ = (
         UniqueConstraint("project_id", "commit_sha", "category", name="uq_analyses_key"),
         Index("ix_analyses_project_branch", "project_id", "branch", "id"),
+        AUTOINC,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -139,6 +144,7 @@ class Analysis(Base):
 
 class Finding(Base):
     __tablename__ = "findings"
+    __table_args__ = (AUTOINC,)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     analysis_id: Mapped[int] = mapped_column(ForeignKey("analyses.id", ondelete="CASCADE"), index=True)
@@ -166,7 +172,7 @@ class Alert(Base):
     """One per (project, fingerprint): the life of a finding across commits, and its triage."""
 
     __tablename__ = "alerts"
-    __table_args__ = (UniqueConstraint("project_id", "fingerprint", name="uq_alerts_fingerprint"),)
+    __table_args__ = (UniqueConstraint("project_id", "fingerprint", name="uq_alerts_fingerprint"), AUTOINC)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
@@ -195,6 +201,7 @@ class AlertEvent(Base):
     """The audit trail of triage: who changed an alert's state, when and why."""
 
     __tablename__ = "alert_events"
+    __table_args__ = (AUTOINC,)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     alert_id: Mapped[int] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"), index=True)
@@ -208,7 +215,7 @@ class AlertEvent(Base):
 
 class IdempotencyKey(Base):
     __tablename__ = "idempotency_keys"
-    __table_args__ = (UniqueConstraint("project_id", "key", name="uq_idempotency_keys_key"),)
+    __table_args__ = (UniqueConstraint("project_id", "key", name="uq_idempotency_keys_key"), AUTOINC)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
@@ -227,6 +234,7 @@ class Run(Base):
     __table_args__ = (
         UniqueConstraint("project_id", "name", name="uq_runs_name"),
         Index("ix_runs_project_commit", "project_id", "commit_sha"),
+        AUTOINC,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -251,6 +259,7 @@ class Record(Base):
             sqlite_where=text("anomaly IS NOT NULL"),
             postgresql_where=text("anomaly IS NOT NULL"),
         ),
+        AUTOINC,
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)

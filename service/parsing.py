@@ -68,9 +68,11 @@ def _invalid(code: str, detail: str) -> ProblemError:
 
 def load_json(data: bytes) -> Any:
     try:
-        return json.loads(data)
+        text = data.decode("utf-8-sig")  # SARIF and our reports are UTF-8 (a BOM is tolerated)
     except UnicodeDecodeError as exc:
         raise _invalid("invalid_encoding", f"body is not UTF-8: {exc}") from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise _invalid(
             "invalid_json", f"body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
@@ -396,9 +398,10 @@ def _pairs(value: Any) -> list[tuple[str, str]]:
 def _material(result: dict[str, Any], ctx: str | None, message: str) -> str:
     """Identity beyond (category, rule, path): the tool's fingerprints when it has them, else the code."""
     partial = _pairs(result.get("partialFingerprints"))
-    ours = [(k, v) for k, v in partial if k.startswith("maingrad/")]
+    ours = dict(partial).get(MAINGRAD_FP_KEY)
     if ours:
-        return f"{ours[0][0]}:{ours[0][1]}"
+        return f"{MAINGRAD_FP_KEY}:{ours}"  # same material as the analyzer's JSON: JSON and SARIF agree
+    partial = [(k, v) for k, v in partial if k != "maingrad/alert"]  # our own output key, not the tool's
     full = _pairs(result.get("fingerprints"))
     if full:
         return "fp:" + "|".join(f"{k}={v}" for k, v in full)

@@ -110,6 +110,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _STATUS_CODES.get(exc.status_code, "http_error")
+        if exc.status_code == 413:
+            code = "body_too_large"
+            limit = getattr(exc, "limit", None)
+            extra = {"limit": limit} if limit is not None else {}
+            return problem_response(413, code, str(exc.detail), instance=request.url.path, **extra)
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return problem_response(exc.status_code, code, detail, instance=request.url.path, headers=exc.headers)
 

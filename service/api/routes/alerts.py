@@ -15,7 +15,26 @@ from sqlalchemy import select
 
 router = APIRouter(tags=["alerts"])
 
-_FIELDS = ["id", "fingerprint", "category", "rule", "level", "path", "message", "state", "dismissed_reason", "dismissed_comment", "dismissed_at", "dismissed_by", "first_seen_commit", "first_seen_at", "last_seen_commit", "last_seen_branch", "last_seen_at", "fixed_commit"]
+_FIELDS = [
+    "id",
+    "fingerprint",
+    "category",
+    "rule",
+    "level",
+    "path",
+    "message",
+    "state",
+    "dismissed_reason",
+    "dismissed_comment",
+    "dismissed_at",
+    "dismissed_by",
+    "first_seen_commit",
+    "first_seen_at",
+    "last_seen_commit",
+    "last_seen_branch",
+    "last_seen_at",
+    "fixed_commit",
+]
 
 
 def alert_out(a: Alert) -> dict[str, Any]:

@@ -84,7 +84,11 @@ def get_project(access: ReadAccess) -> ProjectOut:
     return project_out(access.project)
 
 
-@router.patch("/projects/{project}", response_model=ProjectOut, summary="Change a project's default branch")
+@router.patch(
+    "/projects/{project}",
+    response_model=ProjectOut,
+    summary="Change a project's default branch",
+)
 def update_project(body: ProjectUpdate, access: AdminAccess, db: DbDep) -> ProjectOut:
     with db.writing() as session:
         project = session.get(Project, access.project.id)

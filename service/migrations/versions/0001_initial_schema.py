@@ -24,6 +24,7 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_projects")),
         sa.UniqueConstraint("name", name=op.f("uq_projects_name")),
+        sqlite_autoincrement=True,
     )
     op.create_table(
         "alerts",
@@ -53,6 +54,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_alerts")),
         sa.UniqueConstraint("project_id", "fingerprint", name="uq_alerts_fingerprint"),
+        sqlite_autoincrement=True,
     )
     op.create_table(
         "analyses",
@@ -75,6 +77,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_analyses")),
         sa.UniqueConstraint("project_id", "commit_sha", "category", name="uq_analyses_key"),
+        sqlite_autoincrement=True,
     )
     with op.batch_alter_table("analyses", schema=None) as batch_op:
         batch_op.create_index("ix_analyses_project_branch", ["project_id", "branch", "id"], unique=False)
@@ -91,6 +94,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_commits")),
         sa.UniqueConstraint("project_id", "sha", name="uq_commits_sha"),
+        sqlite_autoincrement=True,
     )
     op.create_table(
         "idempotency_keys",
@@ -110,6 +114,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_idempotency_keys")),
         sa.UniqueConstraint("project_id", "key", name="uq_idempotency_keys_key"),
+        sqlite_autoincrement=True,
     )
     op.create_table(
         "runs",
@@ -125,6 +130,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_runs")),
         sa.UniqueConstraint("project_id", "name", name="uq_runs_name"),
+        sqlite_autoincrement=True,
     )
     with op.batch_alter_table("runs", schema=None) as batch_op:
         batch_op.create_index("ix_runs_project_commit", ["project_id", "commit_sha"], unique=False)
@@ -146,6 +152,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_tokens")),
         sa.UniqueConstraint("token_hash", name=op.f("uq_tokens_token_hash")),
+        sqlite_autoincrement=True,
     )
     with op.batch_alter_table("tokens", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_tokens_project_id"), ["project_id"], unique=False)
@@ -164,6 +171,7 @@ def upgrade() -> None:
             ["alert_id"], ["alerts.id"], name=op.f("fk_alert_events_alert_id_alerts"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_alert_events")),
+        sqlite_autoincrement=True,
     )
     with op.batch_alter_table("alert_events", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_alert_events_alert_id"), ["alert_id"], unique=False)
@@ -194,6 +202,7 @@ def upgrade() -> None:
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_findings")),
+        sqlite_autoincrement=True,
     )
     with op.batch_alter_table("findings", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_findings_analysis_id"), ["analysis_id"], unique=False)
@@ -220,6 +229,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_records")),
         sa.UniqueConstraint("run_id", "record_key", name="uq_records_key"),
+        sqlite_autoincrement=True,
     )
     with op.batch_alter_table("records", schema=None) as batch_op:
         batch_op.create_index(

@@ -1,0 +1,236 @@
+"""Builders for service tests: reports, SARIF logs, records, and a real uvicorn server in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ADMIN = "mga_test_bootstrap_admin_token"  # the MAINGRAD_ADMIN_TOKEN of every test app
+SECRET = "test-secret-for-hmac"
+
+
+def unique(prefix: str = "p") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def sha(n: int | str) -> str:
+    """A deterministic 40-hex commit SHA."""
+    import hashlib
+
+    return hashlib.sha1(str(n).encode()).hexdigest()
+
+
+def finding(
+    rule: str = "MG001",
+    path: str = "megatron/core/transformer/moe/experts.py",
+    line: int = 10,
+    message: str = "op-fuser op accumulates into main_grad with no exposure",
+    severity: str = "error",
+    snippet: str = "ops.GroupedLinear(accumulate_into_main_grad=self.fuse)",
+    fingerprint: str | None = None,
+) -> dict[str, Any]:
+    from maingrad.analyzer.report import fingerprint as fp
+
+    return {
+        "rule": rule,
+        "severity": severity,
+        "path": path,
+        "line": line,
+        "column": 5,
+        "end_line": line,
+        "end_column": 40,
+        "message": message,
+        "fingerprint": fingerprint or fp(rule, path, snippet),
+        "fix_available": False,
+        "snippet": snippet,
+    }
+
+
+def report(*findings: dict[str, Any], files_scanned: int = 10) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "tool": {"name": "maingrad", "version": "0.1.0"},
+        "root": ".",
+        "files_scanned": files_scanned,
+        "files_parsed": files_scanned,
+        "parse_errors": [],
+        "findings": list(findings),
+        "rules": [
+            {
+                "id": "MG001",
+                "name": "fused-op-without-exposure",
+                "severity": "error",
+                "summary": "s",
+                "help_uri": "",
+            }
+        ],
+        "duration_s": 0.1,
+    }
+
+
+def sarif_result(
+    rule: str = "X1",
+    path: str = "src/a.py",
+    line: int = 3,
+    message: str = "something odd",
+    level: str | None = "warning",
+    snippet: str | None = "x = 1",
+    **extra: Any,
+) -> dict[str, Any]:
+    region: dict[str, Any] = {"startLine": line}
+    if snippet is not None:
+        region["snippet"] = {"text": snippet}
+    result: dict[str, Any] = {
+        "ruleId": rule,
+        "message": {"text": message},
+        "locations": [{"physicalLocation": {"artifactLocation": {"uri": path}, "region": region}}],
+        **extra,
+    }
+    if level is not None:
+        result["level"] = level
+    return result
+
+
+def sarif(
+    *results: dict[str, Any], tool: str = "othertool", runs: int = 1, **run_extra: Any
+) -> dict[str, Any]:
+    return {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {"driver": {"name": tool, "version": "1.2", "rules": []}},
+                "results": list(results),
+                **run_extra,
+            }
+            for _ in range(runs)
+        ],
+    }
+
+
+def record(
+    run: str, i: int, *, step: int | None = None, rank: int = 0, commit: str | None = None, **over: Any
+) -> dict[str, Any]:
+    rec = {
+        "schema": 1,
+        "id": f"{run}:{rank}:{i}",
+        "run": run,
+        "rank": rank,
+        "step": i // 8 if step is None else step,
+        "microbatch": i % 2,
+        "phase": "forward" if i % 4 < 2 else "backward",
+        "module": f"decoder.layers.{i % 2}.mlp.experts",
+        "param": f"weight{i % 4}",
+        "has_main_grad": i % 5 != 0,
+        "main_grad_is_none": i % 3 == 0,
+        "dtype": "torch.float32",
+        "shape": [128, 64],
+        "device": "cuda:0",
+        "data_ptr": 140000000 + i,
+        "overwrite_main_grad": None,
+        "grad_added_to_main_grad": False,
+        "is_fsdp_param": True,
+        "action": "exposed" if i % 3 == 0 else "none",
+        "anomaly": None,
+        "mode": "fix",
+        "commit": commit,
+        "t_ns": 1_000_000 + i,
+    }
+    rec.update(over)
+    return rec
+
+
+def ndjson(records: list[dict[str, Any]]) -> bytes:
+    return ("\n".join(json.dumps(r) for r in records) + "\n").encode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """`maingrad serve` in a subprocess on loopback (a real server process, killable with SIGKILL)."""
+
+    database_url: str
+    workdir: Path
+    env_extra: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> Server:
+        self.port = self.port or free_port()
+        env = {
+            **os.environ,
+            "MAINGRAD_DATABASE_URL": self.database_url,
+            "MAINGRAD_SECRET": SECRET,
+            "MAINGRAD_ADMIN_TOKEN": ADMIN,
+            **self.env_extra,
+        }
+        log = open(self.workdir / f"server-{self.port}.log", "ab")  # noqa: SIM115 (closed by the process)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "maingrad.cli.main",
+                "serve",
+                "--port",
+                str(self.port),
+                "--no-access-log",
+                "--log-level",
+                "warning",
+            ],
+            cwd=self.workdir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server did not become ready: {self.log()[-3000:]}")
+
+    def log(self) -> str:
+        path = self.workdir / f"server-{self.port}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def admin_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN}"}
