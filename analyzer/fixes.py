@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import libcst as cst
-
 from maingrad.analyzer.rules.base import Fix
 
 

@@ -28,9 +28,8 @@ def all_rules() -> tuple[type[Rule], ...]:
                 and issubclass(value, Rule)
                 and value is not Rule
                 and hasattr(value, "id")
-            ):
-                if value.__module__ == module.__name__:
-                    found.append(value)
+            ) and value.__module__ == module.__name__:
+                found.append(value)
     return tuple(sorted(found, key=lambda r: r.id))
 
 

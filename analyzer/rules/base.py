@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import libcst as cst
-
 from maingrad.analyzer.context import FileContext
 from maingrad.analyzer.report import Severity
 

@@ -6,7 +6,6 @@ import textwrap
 
 import libcst as cst
 import pytest
-
 from maingrad.analyzer.context import RuleSettings
 from maingrad.analyzer.engine import analyze_source, fix_source
 from maingrad.analyzer.rules import all_rules
