@@ -46,7 +46,10 @@ def _looks_wrapped(model: torch.nn.Module, specs: Sequence[TargetSpec]) -> bool:
     for spec in specs:
         for slot in spec.slots:
             param = slot.owner._parameters.get(slot.name)
-            if param is not None and (hasattr(param, "main_grad") or hasattr(param, "get_main_grad")):
+            try:
+                if param is not None and (hasattr(param, "main_grad") or hasattr(param, "get_main_grad")):
+                    return True
+            except Exception:  # noqa: BLE001 - a raising attribute: the hooks will record it, not install()
                 return True
     return False
 

@@ -15,7 +15,8 @@ Written from megatron-core 0.18.2 / 0.19.2 (`TEGroupedMLP`, Megatron-FSDP) and T
 - `GroupedMLP`: megatron-core TEGroupedMLP. Fused path: `_fused_ops` tuple (outside the module tree) built
   lazily on the first forward, op shells on "meta" adopting linear_fc1/linear_fc2's parameters, and a
   pre-forward hook on the Sequential replaying the children's pre-forward hooks as hook(submodule, None)
-  (raising if one returns a value). version "0.19.2" adds `_ensure_main_grad` (expose + force True).
+  (raising if one returns a value). `GroupedMLP019` (0.19.x) ends that hook with `_ensure_main_grad_for_fused_impl`
+  (expose main_grad when None, then overwrite_main_grad=True where the attribute exists).
 - `MegatronFSDP`: Megatron-FSDP at world size 1. At wrap: grad_added_to_main_grad=False, __fsdp_param__=True,
   get_main_grad bound on every parameter (main_grad absent). get_main_grad() returns a view of the persistent
   fp32 buffer (no_shard, optim) or of a temporary bucket filled with NaN, like uninitialised memory
@@ -235,7 +236,6 @@ class GroupedMLP(torch.nn.Module):
         *,
         fused: bool = True,
         fuse_wgrad_accumulation: bool = True,
-        version: str = "0.18.2",
     ) -> None:
         super().__init__()
         self.linear_fc1 = GroupedLinear(
@@ -246,7 +246,6 @@ class GroupedMLP(torch.nn.Module):
         )
         self._with_fused_impl = fused
         self._fused_ops: tuple[torch.nn.Module] | None = None
-        self.version = version
 
     def _make_fused_ops(self) -> torch.nn.Module:
         ops = []
@@ -274,11 +273,24 @@ class GroupedMLP(torch.nn.Module):
                             f"Applying a fused implementation for {type(self).__name__}, but a "
                             f"{type(submodule).__name__} submodule has a pre-forward hook that modifies the input"
                         )
-            if self.version >= "0.19":
-                self._ensure_main_grad(self.linear_fc1)
-                self._ensure_main_grad(self.linear_fc2)
+            ensure = getattr(self, "_ensure_main_grad_for_fused_impl", None)  # megatron-core >= 0.19 only
+            if ensure is not None:
+                ensure()
 
         return forward_pre_hook
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> tuple[torch.Tensor, None]:
+        if self._with_fused_impl:
+            if self._fused_ops is None:
+                self._fused_ops = (self._make_fused_ops(),)
+            (ops,) = self._fused_ops
+            return ops(x, tokens_per_expert, tokens_per_expert), None
+        h = F.silu(self.linear_fc1(x, tokens_per_expert))
+        return self.linear_fc2(h, tokens_per_expert), None
+
+
+class GroupedMLP019(GroupedMLP):
+    """megatron-core 0.19.x TEGroupedMLP: the fused pre-forward hook ends with `_ensure_main_grad_for_fused_impl`."""
 
     @staticmethod
     def _ensure_main_grad(linear_module: torch.nn.Module) -> None:
@@ -292,23 +304,21 @@ class GroupedMLP(torch.nn.Module):
             if hasattr(param, "overwrite_main_grad"):
                 param.overwrite_main_grad = True
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> tuple[torch.Tensor, None]:
-        if self._with_fused_impl:
-            if self._fused_ops is None:
-                self._fused_ops = (self._make_fused_ops(),)
-            (ops,) = self._fused_ops
-            return ops(x, tokens_per_expert, tokens_per_expert), None
-        h = F.silu(self.linear_fc1(x, tokens_per_expert))
-        return self.linear_fc2(h, tokens_per_expert), None
+    def _ensure_main_grad_for_fused_impl(self) -> None:
+        self._ensure_main_grad(self.linear_fc1)
+        self._ensure_main_grad(self.linear_fc2)
 
 
 class MoELayer(torch.nn.Module):
     """A plain projection (not fused) feeding the experts, so ordinary parameters flow through FSDP too."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, **mlp_kwargs: object) -> None:
+    def __init__(
+        self, num_experts: int, hidden: int, ffn: int, *, version: str = "0.18.2", **mlp_kwargs: object
+    ) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(hidden, hidden)
-        self.experts = GroupedMLP(num_experts, hidden, ffn, **mlp_kwargs)
+        mlp_class = GroupedMLP019 if version.startswith("0.19") else GroupedMLP
+        self.experts = mlp_class(num_experts, hidden, ffn, **mlp_kwargs)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
         out, _ = self.experts(self.proj(x), tokens_per_expert)

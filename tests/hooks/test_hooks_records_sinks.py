@@ -1,0 +1,247 @@
+"""Record schema, ring buffer, sinks (memory, per-rank JSONL, HTTP against a real local server), the CLI and
+the public expose_main_grad()."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from emulators import MegatronFSDP, batches, fsdp_run, make_layer
+from maingrad.cli.main import main as cli_main
+from maingrad.hooks import HttpSink, JsonlSink, MemorySink, expose_main_grad, install
+from maingrad.hooks.records import FIELDS, RecordRing, RunMeta, validate
+
+
+def _train(**kwargs):
+    model = MegatronFSDP(make_layer(), "optim_grads_params")
+    handle = install(model, run="r1", rank=3, commit="abc123", **kwargs)
+    fsdp_run(model, batches(2, 2), on_step=handle.step)
+    return handle
+
+
+def test_records_follow_the_schema_exactly() -> None:
+    handle = _train()
+    records = handle.records()
+    handle.remove()
+    assert len(records) == 2 * 2 * 2 * 8  # steps x micro-batches x phases x parameters
+    for record in records:
+        assert tuple(record) == FIELDS
+        assert validate(record) == []
+        json.dumps(record, allow_nan=False)
+    assert [r["id"] for r in records[:2]] == ["r1:3:1", "r1:3:2"]
+    assert {(r["run"], r["rank"], r["commit"], r["mode"], r["schema"]) for r in records} == {
+        ("r1", 3, "abc123", "fix", 1)
+    }
+    assert {r["is_fsdp_param"] for r in records} == {True}
+    assert all(isinstance(r["data_ptr"], int) and r["data_ptr"] > 0 for r in records)
+    t = [r["t_ns"] for r in records]
+    assert t == sorted(t)
+
+
+def test_validate_reports_problems() -> None:
+    record = _train().records()[0]
+    assert validate({**record, "phase": "sideways"}) == ["phase='sideways' not in ('forward', 'backward')"]
+    assert any("bool" in p for p in validate({**record, "rank": True}))
+    assert any("unknown anomaly" in p for p in validate({**record, "anomaly": "gremlins"}))
+    assert any("fields differ" in p for p in validate({k: v for k, v in record.items() if k != "t_ns"}))
+    assert validate({**record, "shape": None, "dtype": None, "device": None, "data_ptr": None}) == []
+
+
+def test_commit_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAINGRAD_COMMIT", "feedbeef")
+    monkeypatch.setenv("MAINGRAD_RUN", "envrun")
+    monkeypatch.setenv("RANK", "5")
+    model = MegatronFSDP(make_layer(), "optim")
+    handle = install(model)
+    assert (handle.meta.commit, handle.run, handle.rank) == ("feedbeef", "envrun", 5)
+    handle.remove()
+
+
+def test_ring_buffer_is_bounded_and_counts_overflow() -> None:
+    ring = RecordRing(4)
+    for _ in range(3):
+        ring.append((ring.next_seq(),))
+    assert [r[0] for r in ring.take_new()] == [1, 2, 3]
+    assert ring.take_new() == []
+    for _ in range(6):
+        ring.append((ring.next_seq(),))
+    assert [r[0] for r in ring.take_new()] == [6, 7, 8, 9]
+    assert ring.overflow == 2 and len(ring) == 4
+    handle = _train(capacity=10, sinks=["memory"])
+    summary = handle.summary()
+    handle.remove()
+    # 32 rows per step, ring of 10 flushed at each step: 22 lost per step
+    assert summary.ring_overflow == 44
+    assert handle.sinks[0].stats()["emitted"] == 20
+
+
+def test_memory_and_jsonl_sinks(tmp_path: Path) -> None:
+    memory = MemorySink()
+    jsonl = JsonlSink(tmp_path / "out" / "records.jsonl")
+    handle = _train(sinks=[memory, jsonl])
+    in_ring = handle.records()
+    handle.remove()
+    assert memory.records == in_ring
+    path = tmp_path / "out" / "records.rank3.jsonl"
+    lines = path.read_text().splitlines()
+    assert [json.loads(line) for line in lines] == in_ring
+    assert jsonl.stats()["written"] == len(in_ring)
+    templated = JsonlSink(tmp_path / "{run}-{rank}.jsonl")
+    templated.open(RunMeta("r9", 1, "fix", None))
+    assert templated.path == tmp_path / "r9-1.jsonl"
+
+
+class _Collector(BaseHTTPRequestHandler):
+    requests: list[tuple[str, dict, bytes]] = []
+    gate: threading.Event | None = None
+    status = 201
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server API
+        if self.gate is not None:
+            self.gate.wait(30)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).requests.append((self.path, dict(self.headers), body))
+        self.send_response(self.status)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server():
+    class Handler(_Collector):
+        requests = []
+        gate = None
+        status = 201
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd, Handler
+    if Handler.gate is not None:
+        Handler.gate.set()
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.timeout(60)
+def test_http_sink_posts_ndjson_batches(server) -> None:
+    httpd, handler = server
+    url = f"http://127.0.0.1:{httpd.server_port}/"
+    sink = HttpSink(url, "my proj", token="tok", batch_size=20)
+    handle = _train(sinks=[sink])
+    records = handle.records()
+    handle.remove()  # final flush + close waits for the queue to drain
+    assert sink.stats()["sent"] == len(records) == 64 and sink.dropped == 0 and sink.failed == 0
+    paths = {path for path, _, _ in handler.requests}
+    assert paths == {"/api/v1/projects/my%20proj/runs/r1/records?commit_sha=abc123"}
+    _, headers, _ = handler.requests[0]
+    assert headers["Authorization"] == "Bearer tok"
+    assert headers["Content-Type"] == "application/x-ndjson"
+    received = [json.loads(line) for _, _, body in handler.requests for line in body.decode().splitlines()]
+    assert sorted(received, key=lambda r: r["t_ns"]) == sorted(records, key=lambda r: r["t_ns"])
+    assert max(len(body.decode().splitlines()) for _, _, body in handler.requests) <= 20
+
+
+@pytest.mark.timeout(60)
+def test_http_sink_drops_when_full_and_never_blocks(server) -> None:
+    httpd, handler = server
+    handler.gate = threading.Event()  # the server hangs until released
+    sink = HttpSink(
+        f"http://127.0.0.1:{httpd.server_port}", "p", batch_size=1, max_queue=2, close_timeout=0.5
+    )
+    sink.open(RunMeta("r", 0, "observe", None))
+    sink.emit([{"n": i} for i in range(50)])  # returns at once (the test would time out otherwise)
+    assert sink.dropped >= 47 and sink.enqueued + sink.dropped == 50
+    sink.close()  # gives up after close_timeout, does not raise
+    handler.gate.set()
+
+
+@pytest.mark.timeout(60)
+def test_http_sink_counts_failures(server) -> None:
+    httpd, handler = server
+    handler.status = 401
+    sink = HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", batch_size=5)
+    sink.open(RunMeta("r", 0, "observe", None))
+    sink.emit([{"n": i} for i in range(12)])
+    sink.close()
+    assert sink.failed == 12 and sink.sent == 0 and sink.last_status == 401
+    dead = HttpSink("http://127.0.0.1:9", "p", timeout=2)  # nothing listens on the discard port
+    dead.open(RunMeta("r", 0, "observe", None))
+    dead.emit([{"n": 1}])
+    dead.close()
+    assert dead.failed == 1 and "URLError" in dead.stats()["last_error"]
+
+
+def test_cli_summary_and_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    handle = _train(sinks=[f"jsonl:{tmp_path}/rec.jsonl"])
+    handle.remove()
+    path = str(tmp_path / "rec.rank3.jsonl")
+    assert cli_main(["hooks", "summary", path]) == 0
+    out = capsys.readouterr().out
+    assert "module.experts" in out and "ow@bac[true:32]" in out and "ow@for[true:32]" in out
+    assert cli_main(["hooks", "summary", "--json", path]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["modules"][0]["forward_calls"] == 4 and data["modules"][0]["params"] == 8
+    assert cli_main(["hooks", "validate", path]) == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"schema": 1}) + "\n")
+    assert cli_main(["hooks", "validate", str(bad)]) == 1
+
+
+def test_cli_summary_exit_code_reflects_anomalies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = MegatronFSDP(make_layer(), "optim")
+    handle = install(model, "observe", sinks=[f"jsonl:{tmp_path}/o.jsonl"])
+    with pytest.raises(RuntimeError):
+        fsdp_run(model, batches(1, 1))
+    handle.remove()
+    assert cli_main(["hooks", "summary", str(tmp_path / "o.rank0.jsonl")]) == 1
+    assert "main_grad_missing=8" in capsys.readouterr().out
+
+
+def test_summary_table_prints() -> None:
+    handle = _train()
+    text = str(handle.summary())
+    handle.remove()
+    assert "module.experts" in text and "fused_container" in text and "internal_errors=0" in text
+
+
+# -- expose_main_grad ---------------------------------------------------------------------------------------
+def _param(**attrs) -> torch.nn.Parameter:
+    param = torch.nn.Parameter(torch.ones(2, 2))
+    for name, value in attrs.items():
+        setattr(param, name, value)
+    return param
+
+
+def test_expose_main_grad_semantics() -> None:
+    buf = torch.zeros(2, 2)
+    absent = _param(get_main_grad=lambda: buf, overwrite_main_grad=False)
+    none = _param(get_main_grad=lambda: buf, main_grad=None)
+    present = _param(get_main_grad=lambda: torch.ones(2, 2), main_grad=torch.full((2, 2), 7.0))
+    ddp = _param(main_grad=torch.zeros(2, 2))  # DDP: main_grad always there, no get_main_grad
+    bare = _param()
+    assert expose_main_grad([absent, none, present, ddp, bare]) == 2
+    assert absent.main_grad is buf and none.main_grad is buf
+    assert present.main_grad.eq(7).all() and not hasattr(bare, "main_grad")
+    assert absent.overwrite_main_grad is False  # keep
+    assert expose_main_grad([absent, ddp], overwrite_policy="force_true") == 0
+    assert absent.overwrite_main_grad is True and not hasattr(ddp, "overwrite_main_grad")
+    with pytest.raises(TypeError, match="not a tensor"):
+        expose_main_grad([_param(get_main_grad=lambda: None)])
+    with pytest.raises(ValueError):
+        expose_main_grad([], overwrite_policy="sometimes")
+
+
+def test_expose_main_grad_on_a_module_fixes_the_fused_path() -> None:
+    model = MegatronFSDP(make_layer(), "optim_grads")
+    experts = model.module.experts
+    experts.register_forward_pre_hook(lambda module, args: expose_main_grad(module) and None)
+    grads, _ = fsdp_run(model, batches(1, 2))
+    assert all(torch.isfinite(g).all() for g in grads[0].values())
