@@ -119,7 +119,8 @@ def body_limits(settings: Settings) -> Callable[[str, str], int]:
 
 
 class BodyLimitMiddleware:
-    """Caps every request body before any handler buffers it: by Content-Length up front, else as it streams."""
+    """Caps every request body before any handler buffers it (by Content-Length up front, else as it
+    streams) and refuses NUL characters in the URL."""
 
     def __init__(self, app: Any, limit_for: Callable[[str, str], int]) -> None:
         self.app = app
@@ -128,6 +129,16 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        raw = (
+            bytes(scope.get("raw_path") or scope["path"].encode())
+            + b"?"
+            + bytes(scope.get("query_string", b""))
+        )
+        if b"%00" in raw or b"\x00" in raw:
+            # PostgreSQL text cannot hold NUL; no name, SHA or filter legitimately contains one.
+            response = problem_response(422, "invalid_character", "NUL characters are not allowed in URLs")
+            await response(scope, receive, send)
             return
         limit = self.limit_for(scope["method"], scope["path"])
         for name, value in scope.get("headers", ()):

@@ -81,6 +81,16 @@ def load_json(data: bytes) -> Any:
         raise _invalid("invalid_json", "JSON nested too deeply") from None
 
 
+def without_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_nul(v) for v in value]
+    return value
+
+
 def detect_format(doc: Any) -> str:
     if not isinstance(doc, dict):
         raise _invalid("unknown_format", "report must be a JSON object (maingrad report or SARIF 2.1.0 log)")
@@ -94,6 +104,8 @@ def detect_format(doc: Any) -> str:
 
 def parse_report(data: bytes, limits: Limits) -> NormAnalysis:
     doc = load_json(data)
+    if b"\\u0000" in data:  # escaped NUL: PostgreSQL text cannot hold it
+        doc = without_nul(doc)
     kind = detect_format(doc)
     return parse_sarif(doc, limits) if kind == "sarif" else parse_maingrad(doc, limits)
 

@@ -14,6 +14,7 @@ from typing import Any
 from maingrad.service.db import Database
 from maingrad.service.dialect import insert_for, note_commit, with_retries
 from maingrad.service.models import Project, Record, Run, utcnow
+from maingrad.service.parsing import without_nul
 from maingrad.service.problems import ProblemError
 from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
@@ -60,6 +61,8 @@ def parse_batch(body: bytes, run_name: str, max_records: int) -> tuple[list[dict
             rec = loads(line)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise _bad(lineno, f"not JSON: {exc}") from None
+        if "\\u0000" in line:  # an escaped NUL: PostgreSQL text cannot hold it in the indexed columns
+            rec = without_nul(rec)
         if type(rec) is not dict:
             raise _bad(lineno, "a record must be a JSON object")
         if rec.get("schema", 1) != 1:
@@ -138,11 +141,7 @@ def ingest(
             if rows:
                 for row in rows:
                     row["run_id"] = run.id
-                stmt = insert_for(session, Record).on_conflict_do_nothing(
-                    index_elements=["run_id", "record_key"]
-                )
-                result = session.connection().execute(stmt, rows)
-                inserted = max(result.rowcount, 0)
+                inserted = _insert_rows(session, rows)
                 session.execute(
                     update(Run)
                     .where(Run.id == run.id)
@@ -157,6 +156,17 @@ def ingest(
             }
 
     return with_retries(attempt)
+
+
+def _insert_rows(session: Session, rows: list[dict[str, Any]]) -> int:
+    """Bulk insert, skipping record ids already stored; returns how many rows were new."""
+    stmt = insert_for(session, Record).on_conflict_do_nothing(index_elements=["run_id", "record_key"])
+    conn = session.connection()
+    if conn.dialect.name == "sqlite":
+        return max(conn.execute(stmt, rows).rowcount, 0)  # executemany: rowcount sums the inserts
+    # psycopg's executemany has no summed rowcount: RETURNING (batched as multi-row VALUES by
+    # SQLAlchemy's insertmanyvalues) yields exactly the rows that were new.
+    return len(conn.execute(stmt.returning(Record.__table__.c.id), rows).all())
 
 
 def _get_or_create_run(session: Session, project: Project, name: str, commit: str | None) -> Run:

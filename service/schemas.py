@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 T = TypeVar("T")
 
 PROJECT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot store NUL
 Scope = Literal["upload", "read", "triage", "admin"]
 GateStatus = Literal["pass", "fail", "neutral", "pending", "error"]
 DismissReason = Literal["false_positive", "wont_fix", "used_in_tests"]
@@ -42,12 +43,12 @@ class Page(BaseModel, Generic[T]):
 class ProjectCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=PROJECT_NAME, examples=["megatron-lm"])
-    default_branch: str = Field("main", min_length=1, max_length=255)
+    default_branch: str = Field("main", min_length=1, max_length=255, pattern=NO_NUL)
 
 
 class ProjectUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    default_branch: str = Field(min_length=1, max_length=255)
+    default_branch: str = Field(min_length=1, max_length=255, pattern=NO_NUL)
 
 
 class ProjectOut(BaseModel):
@@ -58,7 +59,7 @@ class ProjectOut(BaseModel):
 
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field("", max_length=200)
+    name: str = Field("", max_length=200, pattern=NO_NUL)
     scopes: list[Scope] = Field(min_length=1)
     expires_at: dt.datetime | None = None
     expires_in_days: int | None = Field(None, ge=1, le=3650)
@@ -316,7 +317,7 @@ class AlertUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     state: Literal["open", "dismissed"]
     reason: DismissReason | None = None
-    comment: str | None = Field(None, max_length=2000)
+    comment: str | None = Field(None, max_length=2000, pattern=NO_NUL)
 
     @model_validator(mode="after")
     def _reason_when_dismissed(self) -> AlertUpdate:
