@@ -80,6 +80,16 @@ def _string_text(node: cst.BaseExpression) -> str | None:
     return None
 
 
+def _held(expr: cst.BaseExpression, containers: dict) -> list[str]:
+    """Container names `expr` evaluates to or packs directly (`seq`, `(seq,)`, `[a, seq]`), not ones it
+    merely uses (`seq(x)`, `len(seq)`)."""
+    if isinstance(expr, cst.Name):
+        return [expr.value] if expr.value in containers else []
+    if isinstance(expr, (cst.Tuple, cst.List)):
+        return [n for e in expr.elements for n in _held(e.value, containers)]
+    return []
+
+
 def _first_param(func: cst.FunctionDef) -> str | None:
     params = [*func.params.posonly_params, *func.params.params]
     return params[0].name.value if params else None
@@ -506,6 +516,12 @@ class _Analysis:
                     if isinstance(inner, cst.Name):
                         counter += 1
                         ids[inner.value] = counter
+                        held = _held(node.value, containers)
+                        if isinstance(node.value, cst.Name) and held:
+                            containers[inner.value] = containers[held[0]]  # a plain alias: same container
+                        else:
+                            for name in held:  # packed into a local structure we do not follow
+                                containers[name].replayed = True
                         if kind is not None and isinstance(node.value, cst.Call):
                             box = _Container(inner.value, node.value, statement or node, kind == "hookable")
                             for arg in node.value.args:
@@ -527,9 +543,8 @@ class _Analysis:
             if isinstance(node, cst.Call):
                 self._record_call(node, func, containers, current, adopted)
             if isinstance(node, cst.Return) and node.value is not None:
-                for inner_node in _walk(node.value):
-                    if isinstance(inner_node, cst.Name) and inner_node.value in containers:
-                        containers[inner_node.value].returned = True
+                for held in _held(node.value, containers):
+                    containers[held].returned = True
 
         flagged = []
         for box in containers.values():
@@ -557,13 +572,12 @@ class _Analysis:
         ):
             containers[value.value].in_tree = True  # a registered submodule: wrappers hook it
             return
-        for inner in _walk(value):
-            if isinstance(inner, cst.Name) and inner.value in containers:
-                chain = dotted_name(_strip_subscripts(target))
-                if chain is not None:
-                    containers[inner.value].stores.append(chain)
-                else:
-                    containers[inner.value].replayed = True  # stored somewhere we cannot follow
+        for held in _held(value, containers):
+            chain = dotted_name(_strip_subscripts(target))
+            if chain is not None:
+                containers[held].stores.append(chain)
+            else:
+                containers[held].replayed = True  # stored somewhere we cannot follow
 
     def _record_call(self, call: cst.Call, func, containers, current, adopted) -> None:
         receiver = call.func.value if isinstance(call.func, cst.Attribute) else None

@@ -311,7 +311,11 @@ be left empty.
                 if in_wrapper(ctx, line) or _strategy_guarded(ctx, line):
                     continue
                 flagged.append((line, small))
-        whole_lines = {line for line, _ in flagged if len(line.body) == 1}
+        whole_lines = {
+            line
+            for line, small in flagged
+            if len(line.body) == 1 and not (isinstance(small, cst.Assign) and len(small.targets) > 1)
+        }
         for line, small in flagged:
             yield Violation(
                 node=small,
@@ -323,7 +327,9 @@ be left empty.
                     "reads it discards the earlier micro-batches' gradients; leave the flag to the wrapper "
                     "(delete this assignment) or derive it from the sharding strategy"
                 ),
-                fix=_deletion_fix(ctx, line, small, whole_lines),
+                fix=None
+                if isinstance(small, cst.Assign) and len(small.targets) > 1
+                else _deletion_fix(ctx, line, small, whole_lines),
             )
 
 
