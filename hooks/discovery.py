@@ -50,10 +50,11 @@ class TargetSpec:
     path: str
     kind: str
     slots: list[Slot] = field(default_factory=list)
+    explicit: bool = False  # named by the user: treated as needing main_grad at forward, whatever its kind
 
     @property
     def strict_forward(self) -> bool:
-        return self.kind in STRICT_FORWARD_KINDS
+        return self.explicit or self.kind in STRICT_FORWARD_KINDS
 
 
 def _te_class(path: str, name: str) -> type | None:
@@ -195,7 +196,9 @@ def discover_explicit(
     """Targets the user named: modules, or fnmatch patterns over qualified names (`*.experts`).
 
     A named module recognised by the auto rules gets that kind's coverage; any other module is covered as
-    `explicit`: every parameter under it, all treated as fused-wgrad parameters.
+    `explicit`: every parameter under it, all treated as fused-wgrad parameters. Either way a named target
+    is strict: main_grad is exposed (fix) and required (check) at its forward, e.g. on `linear_fc1` whose
+    pre-hooks a fused container replays.
     """
     if isinstance(targets, (torch.nn.Module, str)):
         targets = [targets]
@@ -224,6 +227,7 @@ def discover_explicit(
             for subpath, sub in module.named_modules():
                 slots.extend(_direct_slots(sub, f"{subpath}." if subpath else "", all_wgrad=True))
             spec = TargetSpec(module, path, EXPLICIT, slots)
+        spec.explicit = True
         if spec.slots:
             specs.append(spec)
     return specs

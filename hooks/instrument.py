@@ -326,17 +326,17 @@ class Site:
 
     # -- internals ---------------------------------------------------------------------------------------
     def _all_present(self) -> bool:
-        """Fast path of fix mode: every covered parameter already has a main_grad that is not None."""
+        """Fast path of fix mode: nothing to expose. Strict kinds need a main_grad on every parameter; the
+        others only where nothing refreshes it in backward (no `__fsdp_param__`)."""
+        strict = self.strict
         try:
             for owner, getter, single in self.fast:
                 found = getter(owner._parameters)
-                if single:
-                    if getattr(found, "main_grad", None) is None:
+                for param in (found,) if single else found:
+                    if getattr(param, "main_grad", None) is None and (
+                        strict or param is None or not hasattr(param, "__fsdp_param__")
+                    ):
                         return False
-                else:
-                    for param in found:
-                        if getattr(param, "main_grad", None) is None:
-                            return False
         except KeyError:
             return False
         return True
@@ -410,7 +410,7 @@ class Site:
                     mg = getattr(p, "main_grad", _MISSING)
                     action = A_NONE
                     anomaly = None
-                    if fix and (mg is None or mg is _MISSING):
+                    if fix and (mg is None or mg is _MISSING) and (self.strict or not _refreshable(p)):
                         get_main_grad = getattr(p, "get_main_grad", None)
                         if get_main_grad is not None:
                             try:

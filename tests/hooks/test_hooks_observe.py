@@ -149,16 +149,30 @@ def test_observe_never_raises_under_injected_faults() -> None:
 
 def test_fix_mode_records_get_main_grad_failures_without_raising() -> None:
     net = Net()
-    w0, w1 = net.fused._parameters["weight0"], net.fused._parameters["weight1"]
-    fsdp_like(w0)
+    w0, w1, w2 = (net.fused._parameters[f"weight{i}"] for i in range(3))
+    # no __fsdp_param__: nothing would refresh main_grad in backward, so fix mode exposes at forward
     w0.get_main_grad = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
-    fsdp_like(w1)
     w1.get_main_grad = lambda: None  # returns a non-tensor
+    w2.get_main_grad = lambda: torch.zeros(2, 2)
     handle = install(net, "fix")
     run(net)
     forward = {r["param"]: r for r in handle.records() if r["phase"] == "forward"}
     assert forward["weight0"]["anomaly"] == forward["weight1"]["anomaly"] == "get_main_grad_failed"
     assert forward["weight0"]["action"] == "none" and not hasattr(w0, "main_grad")
+    assert forward["weight2"]["action"] == "exposed" and forward["weight2"]["anomaly"] is None
+    handle.remove()
+
+
+def test_fix_mode_leaves_refreshing_te_modules_alone() -> None:
+    """TE modules and Megatron linears refresh main_grad from get_main_grad() in backward when the
+    parameter has __fsdp_param__: exposing it at forward would only allocate Megatron-FSDP's buckets early."""
+    net = Net()
+    for param in net.fused.parameters():
+        fsdp_like(param)
+    handle = install(net, "fix")
+    run(net)
+    assert handle.summary().modules[0].exposed == 0 and handle.summary().ok
+    assert not any(hasattr(p, "main_grad") for p in net.fused.parameters())
     handle.remove()
 
 
