@@ -93,6 +93,9 @@ def _add_scan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force-exclude", action="store_true", help="apply excludes to explicitly named files too"
     )
+    parser.add_argument(
+        "--no-respect-gitignore", action="store_true", help="scan files that .gitignore excludes"
+    )
     parser.add_argument("--no-progress", action="store_true", help="never show a progress bar")
 
 
@@ -171,7 +174,14 @@ def _run_check(args: argparse.Namespace) -> int:
         exposure_helpers=config.exposure_helpers,
         warn_unused_ignores=config.warn_unused_ignores,
     )
-    files = discover(paths, config.root, config.include, config.exclude, force_exclude=args.force_exclude)
+    files = discover(
+        paths,
+        config.root,
+        config.include,
+        config.exclude,
+        respect_gitignore=not args.no_respect_gitignore,
+        force_exclude=args.force_exclude,
+    )
     progress = not (args.quiet or args.no_progress)
 
     if args.fix or args.diff:

@@ -2,7 +2,9 @@
 
 Everything here is computed lazily and at most once per file, and without libcst's visitor machinery
 (see `maingrad.analyzer.walk`): rules that ask for `ctx.nodes(cst.Call)` or `ctx.parent(node)` share one
-fast pass over the tree instead of each paying for a full `module.visit(...)`.
+fast pass over the tree instead of each paying for a full `module.visit(...)`. For speed, rules should use
+`ctx.nodes`, `ctx.parent`/`ancestors`, `walk.walk`/`walk.find`/`walk.children`, never `node.children`,
+`node.visit(...)` or `libcst.matchers.findall` (each rebuilds every node it passes).
 """
 
 from __future__ import annotations
@@ -56,12 +58,25 @@ class FileContext:
     @property
     def names(self) -> NameResolver:
         if self._names is None:
-            self._names = NameResolver.for_module(self.module, package_of(self.path))
+            if self._by_type is not None:  # reuse the index: imports and assignments in source order
+                self._names = NameResolver.from_nodes(
+                    self.nodes(cst.Import, cst.ImportFrom, cst.Assign), package_of(self.path)
+                )
+            else:
+                self._names = NameResolver.for_module(self.module, package_of(self.path))
         return self._names
 
+    def _build_index(self) -> None:
+        self._preorder, self._parents = walk.index(self.module)
+        self._by_type = {}
+        for node in self._preorder:
+            self._by_type.setdefault(type(node), []).append(node)
+
     def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
+        """The parent of a non-trivia node (trivia such as whitespace and commas are not indexed)."""
         if self._parents is None:
-            self._parents = walk.parent_map(self.module)
+            self._build_index()
+            assert self._parents is not None
         return self._parents.get(node)
 
     def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
@@ -83,10 +98,8 @@ class FileContext:
     def nodes(self, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
         """Every node of `kinds` in the file, in source order: use instead of a `module.visit(...)` pass."""
         if self._by_type is None:
-            self._preorder = list(walk.walk(self.module))
-            self._by_type = {}
-            for node in self._preorder:
-                self._by_type.setdefault(type(node), []).append(node)
+            self._build_index()
+            assert self._by_type is not None
         if len(kinds) == 1 and kinds[0] in self._by_type:
             return list(self._by_type[kinds[0]])
         found = [n for kind, ns in self._by_type.items() if issubclass(kind, kinds) for n in ns]
@@ -99,7 +112,7 @@ class FileContext:
         `ctx.index(a) < ctx.index(b)`, with ancestors before descendants)."""
         if self._order is None:
             if self._preorder is None:
-                self.nodes(cst.Module)
+                self._build_index()
             assert self._preorder is not None
             self._order = {node: i for i, node in enumerate(self._preorder)}
         return self._order[node]

@@ -9,6 +9,8 @@ functions and `try:` blocks), which over-approximates scopes in a direction that
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import libcst as cst
 
 
@@ -48,8 +50,13 @@ class NameResolver(cst.CSTVisitor):
         expressions), in source order, calling the same handlers a `module.visit(resolver)` would."""
         from maingrad.analyzer.walk import walk
 
+        return cls.from_nodes(walk(module, _is_expression), package)
+
+    @classmethod
+    def from_nodes(cls, nodes: Iterable[cst.CSTNode], package: str | None = None) -> NameResolver:
+        """Resolve from the file's Import/ImportFrom/Assign nodes (others are ignored), in source order."""
         resolver = cls(package)
-        for node in walk(module, _is_expression):
+        for node in nodes:
             if isinstance(node, cst.Import):
                 resolver.visit_Import(node)
             elif isinstance(node, cst.ImportFrom):
