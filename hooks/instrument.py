@@ -58,6 +58,13 @@ def _is_distributed(param: Any) -> bool:
     return hasattr(param, "_local_tensor") or hasattr(param, "to_local")
 
 
+def _self_exposing(cls: type) -> bool:
+    """megatron-core >= 0.19 TEGroupedMLP exposes main_grad in its fused pre-forward hook (unless someone
+    replaced `_ensure_main_grad`, e.g. by a no-op lambda, to take the fix out: then it does not count)."""
+    method = getattr(cls, "_ensure_main_grad", None)
+    return callable(method) and getattr(method, "__qualname__", "").endswith("._ensure_main_grad")
+
+
 def _grad_tensor(output: Any) -> torch.Tensor | None:
     """The first output tensor that will receive a gradient (modules may return tuples, e.g. (out, bias))."""
     if isinstance(output, _Tensor):
@@ -153,7 +160,6 @@ class Site:
         "late_ref",
         "pre_ptrs",
         "relax_once",
-        "self_exposing",
         "__weakref__",
     )
 
@@ -198,11 +204,6 @@ class Site:
         self.late_ref: weakref.ref | None = None
         self.pre_ptrs: list[int] | None = None  # main_grad data_ptrs seen at the container's pre-forward
         self.relax_once = False
-        # megatron-core >= 0.19 TEGroupedMLP exposes main_grad itself, after our first-call hook has run
-        self.self_exposing = self.is_container and any(
-            callable(getattr(type(spec.module), name, None))
-            for name in ("_ensure_main_grad_for_fused_impl", "_ensure_main_grad")
-        )
 
     @property
     def is_container(self) -> bool:
@@ -238,7 +239,7 @@ class Site:
                     self.pre_ptrs = self._current_ptrs()
                 return None
             # First call: the container's own exposure (0.19+) has not run yet; do not flag what it will fix.
-            self.relax_once = self.self_exposing
+            self.relax_once = _self_exposing(type(module))
         except Exception as exc:  # noqa: BLE001
             rt.hook_error(self, FORWARD, self.mb, -1, exc)
         return self.pre_forward(module, args)

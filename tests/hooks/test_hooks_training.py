@@ -228,6 +228,19 @@ def test_check_mode_passes_megatron_core_019_shipped() -> None:
     handle.remove()
 
 
+def test_check_mode_raises_on_019_with_its_exposure_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    import emulators
+
+    monkeypatch.setattr(
+        emulators.GroupedMLP019, "_ensure_main_grad", staticmethod(lambda linear_module: None)
+    )
+    model = MegatronFSDP(make_layer(version="0.19.2"), "optim_grads")
+    handle = install(model, "check")
+    with pytest.raises(MainGradContractError, match="linear_fc1.weight0"):
+        fsdp_run(model, batches(1, 1))
+    handle.remove()
+
+
 def test_observe_records_the_failure_it_does_not_prevent() -> None:
     model = MegatronFSDP(make_layer(), "optim_grads_params")
     handle = install(model, "observe")
