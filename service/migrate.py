@@ -39,5 +39,12 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
         command.upgrade(cfg, revision)
 
 
+def downgrade(engine: Engine, revision: str) -> None:
+    cfg = alembic_config()
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+
+
 def is_current(engine: Engine) -> bool:
     return current_revision(engine) == head_revision()

@@ -109,6 +109,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's answer to an undecodable JSON body; a malformed body is a 422 everywhere else.
+            return problem_response(
+                422, "invalid_body", "the request body is not valid UTF-8 JSON", instance=request.url.path
+            )
         code = _STATUS_CODES.get(exc.status_code, "http_error")
         if exc.status_code == 413:
             code = "body_too_large"
