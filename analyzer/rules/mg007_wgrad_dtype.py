@@ -320,6 +320,15 @@ def _cast_target(
     name = torch_dtype_name(ctx, candidate)
     if name is not None:
         return (code_of(candidate), expr) if name in _LOW else None
+    if isinstance(candidate, cst.Attribute) and candidate.attr.value == "dtype":
+        # `p.grad.to(p.dtype)`: a parameter's .grad already has the parameter's dtype (a no-op cast).
+        source = expr.func.value  # type: ignore[attr-defined]
+        if (
+            isinstance(source, cst.Attribute)
+            and source.attr.value == "grad"
+            and code_of(source.value) == code_of(candidate.value)
+        ):
+            return None
     if dtype_source(ctx, scope, candidate) == _Source.ACTIVATION:
         return (code_of(candidate), expr)
     return None

@@ -343,9 +343,29 @@ def test_mg007_casts() -> None:
         "w.main_grad.add_(g.to(w.main_grad.dtype))",
         "w.main_grad.add_(g.to(device))",
         "w.grad.add_(g.half())",
+        "w.main_grad.copy_(w.grad.to(w.dtype))",
     ]
     for stmt in fine:
         assert findings("MG007", base.format(stmt=stmt)) == [], stmt
+
+
+def test_mg007_claims_hold_in_torch() -> None:
+    """What MG007 says about `out=` and about its fix, checked against torch itself (CPU, no GPU needed):
+    a bf16 product into an fp32 buffer through `out=` raises; `copy_`/`add_` cast to the buffer."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(8, 4, dtype=torch.bfloat16)
+    dy = torch.randn(8, 3, dtype=torch.bfloat16)
+    main_grad = torch.zeros(3, 4, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.matmul(dy.t(), x, out=main_grad)
+    main_grad.copy_(torch.matmul(dy.t(), x))
+    assert main_grad.dtype == torch.float32
+    torch.testing.assert_close(main_grad, (dy.t() @ x).float())
+    # The downcast MG007 flags loses precision an fp32 accumulator keeps.
+    grad = torch.full((3, 4), 1.0 + 2**-12, dtype=torch.float32)
+    kept = torch.zeros(3, 4, dtype=torch.float32).add_(grad)
+    rounded = torch.zeros(3, 4, dtype=torch.float32).add_(grad.to(torch.bfloat16))
+    assert torch.all(kept != rounded)
 
 
 # MG008 ------------------------------------------------------------------------------------------------
