@@ -39,13 +39,15 @@ class FixOutcome:
         return self.error is None and self.fixed != self.original
 
     def diff(self) -> str:
+        """A unified diff as git prints it (including its marker for a missing final newline)."""
+        lines = difflib.unified_diff(
+            self.original.splitlines(keepends=True),
+            self.fixed.splitlines(keepends=True),
+            fromfile=f"a/{self.source.relpath}",
+            tofile=f"b/{self.source.relpath}",
+        )
         return "".join(
-            difflib.unified_diff(
-                self.original.splitlines(keepends=True),
-                self.fixed.splitlines(keepends=True),
-                fromfile=f"a/{self.source.relpath}",
-                tofile=f"b/{self.source.relpath}",
-            )
+            line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
         )
 
 
