@@ -690,7 +690,7 @@ class FusedContainerWithoutHookReplay(Rule):
     name = "fused-container-without-hook-replay"
     severity = Severity.ERROR
     summary = (
-        "A TE op-fuser container adopts other modules' parameters but never replays their pre-forward hooks"
+        "a TE op-fuser container adopts other modules' parameters but never replays their pre-forward hooks"
     )
     needles = ("Sequential", "OperationFuser")
     docs = """\
