@@ -184,10 +184,11 @@ def _run_check(args: argparse.Namespace) -> int:
     )
     progress = not (args.quiet or args.no_progress)
 
+    fix_status = EXIT_OK
     if args.fix or args.diff:
-        status = _apply_fixes(args, files, settings, jobs, progress)
+        fix_status = _apply_fixes(args, files, settings, jobs, progress)
         if args.diff:
-            return status
+            return fix_status
     cache = ResultCache(directory, settings_key(settings.cache_settings())) if directory is not None else None
     result = scan(files, settings, jobs=jobs, cache=cache, show_progress=progress)
     report = result.report
@@ -248,7 +249,7 @@ def _run_check(args: argparse.Namespace) -> int:
         sys.stderr.write(
             render_errors(report, options.__class__(root=config.root, color=_want_color(sys.stderr)))
         )
-    if result.internal_errors:
+    if result.internal_errors or fix_status == EXIT_ERROR:
         return EXIT_ERROR
     if report.findings and not args.exit_zero:
         return EXIT_FINDINGS
@@ -278,7 +279,7 @@ def _apply_fixes(
     written = write_fixes(changed)
     if not args.quiet and written:
         print(f"Fixed {written} file{'s' if written != 1 else ''}.", file=sys.stderr)
-    return EXIT_OK
+    return EXIT_ERROR if any(o.error for o in outcomes) else EXIT_OK
 
 
 def _all_rules_meta() -> tuple[Any, ...]:

@@ -74,3 +74,11 @@ def test_unparsable_files_are_left_alone(project, run) -> None:
 def test_diff_marks_a_missing_final_newline(project, run) -> None:
     project({"a.py": "x = p.main_grad"})
     assert run("check", "--diff").out.endswith("+x = p.main_grad_ok\n\\ No newline at end of file\n")
+
+
+@pytest.mark.usefixtures("test_rules")
+def test_a_crashing_rule_fails_fix_with_exit_2(project, run) -> None:
+    root = project({"a.py": "explode = p.main_grad\n"}, 'select = ["MG901", "MG903"]\n')
+    result = run("fix")
+    assert result.code == 2 and "fixing a.py failed: RuntimeError: boom" in result.err
+    assert (root / "a.py").read_text() == "explode = p.main_grad\n"  # nothing half-applied
