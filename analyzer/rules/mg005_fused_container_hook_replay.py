@@ -736,7 +736,10 @@ def _make_fused_ops(self):
     return ops
 ```
 No automatic fix: which hooks may be replayed (hooks that read or rewrite the input cannot) is a design
-decision. Hooks and helpers the analyzer cannot see (imported from other files) are assumed to replay.
+decision. For precision, whatever the analyzer cannot follow counts as a replay: hooks and helpers imported
+from other files, containers handed to such helpers or returned to callers outside the file, and files that
+install global `register_module_forward_pre_hook`s. Containers assigned straight to a module attribute are
+registered submodules, which the wrappers hook themselves.
 """
 
     VALID = [
