@@ -156,6 +156,7 @@ class Site:
         "last_bwd_ptr",
         "pending",
         "order_checked",
+        "checked_ptr",
         "late_handle",
         "late_ref",
         "pre_ptrs",
@@ -186,9 +187,13 @@ class Site:
             # relnames in the same (grouped) order the hooks walk the slots
             prefix = {s.name: s.relname for s in spec.slots if s.owner is owner}
             self.relnames.extend(prefix[name] for name in names[key])
-        self.groups = tuple((o, tuple(names[id(o)]), tuple(wgrads[id(o)])) for o in owners)
-        self.fast = tuple((o, itemgetter(*names[id(o)]), len(names[id(o)]) == 1) for o in owners)
+        self.groups = tuple(
+            (o, itemgetter(*names[id(o)]), len(names[id(o)]) == 1, tuple(names[id(o)]), tuple(wgrads[id(o)]))
+            for o in owners
+        )
+        self.fast = tuple((o, getter, single) for o, getter, single, _, _ in self.groups)
         self.nslots = len(self.relnames)
+        self.checked_ptr = [0] * self.nslots  # data_ptr whose element count was last found right, per slot
         self.fwd_calls = 0
         self.bwd_calls = 0
         self.records = 0
@@ -246,7 +251,7 @@ class Site:
 
     def _current_ptrs(self) -> list[int]:
         ptrs = []
-        for owner, names, _ in self.groups:
+        for owner, _, _, names, _ in self.groups:
             params = owner._parameters
             for name in names:
                 mg = getattr(params.get(name), "main_grad", None)
@@ -381,31 +386,23 @@ class Site:
             append = rt.ring.append
             next_seq = rt.ring.next_seq
             site = self.index
+        checked = self.checked_ptr
         i = -1
-        for owner, names, wgrads in self.groups:
+        for owner, getter, single, names, wgrads in self.groups:
             params = owner._parameters
-            for name, wgrad in zip(names, wgrads, strict=True):
+            try:
+                found = (getter(params),) if single else getter(params)
+            except KeyError:  # a parameter was deleted: look the others up one by one
+                found = tuple(params.get(name) for name in names)
+            for p, wgrad in zip(found, wgrads, strict=True):
                 i += 1
                 try:
-                    p = params.get(name)
                     if p is None:
                         anomalies[PARAM_MISSING] = anomalies.get(PARAM_MISSING, 0) + 1
                         if record:
                             append(
-                                (next_seq(), t, step, mb, phase, site, i)
-                                + (
-                                    False,
-                                    None,
-                                    None,
-                                    None,
-                                    None,
-                                    None,
-                                    None,
-                                    None,
-                                    False,
-                                    A_NONE,
-                                    PARAM_MISSING,
-                                )
+                                (next_seq(), t, step, mb, phase, site, i, False, None, None, None, None, None)
+                                + (None, None, False, A_NONE, PARAM_MISSING)
                             )
                         continue
                     mg = getattr(p, "main_grad", _MISSING)
@@ -428,19 +425,18 @@ class Site:
                     ow = getattr(p, "overwrite_main_grad", _MISSING)
                     if force and ow is not _MISSING:
                         p.overwrite_main_grad = ow = True
-                    if isinstance(mg, _Tensor):
-                        is_tensor = True
+                    is_tensor = type(mg) is _Tensor or isinstance(mg, _Tensor)
+                    if is_tensor:
                         ptr = mg.data_ptr()
                         if ptrs is not None and action == A_NONE:
                             ptrs[i] = ptr
                     else:
-                        is_tensor = False
                         ptr = None
                     gam = getattr(p, "grad_added_to_main_grad", None)
                     bad_flag = False
-                    if ow is _MISSING or ow is None:
+                    if ow is _MISSING:
                         ow = None
-                    elif type(ow) is not bool:
+                    elif ow is not None and type(ow) is not bool:
                         ow, bad_flag = None, True
                     if gam is not None and type(gam) is not bool:
                         gam, bad_flag = None, True
@@ -448,17 +444,16 @@ class Site:
                         if not is_tensor:
                             if strict or not _refreshable(p):
                                 anomaly = MISSING if mg is _MISSING else NONE if mg is None else NOT_TENSOR
-                        elif mg.numel() != p.numel() and not _is_distributed(p):
-                            anomaly = SHAPE
-                        elif (
-                            last is not None
-                            and ow is True
-                            and mb > 0
-                            and fwd_ptrs is not None
-                            and fwd_ptrs[i] != 0
-                            and fwd_ptrs[i] == last[i]
-                        ):
-                            anomaly = OVERWRITE
+                        else:
+                            if ptr != checked[i]:  # a buffer not validated yet: compare sizes once
+                                if mg.numel() != p.numel() and not _is_distributed(p):
+                                    anomaly = SHAPE
+                                else:
+                                    checked[i] = ptr
+                            if anomaly is None and last is not None and ow is True and mb > 0 and fwd_ptrs:
+                                previous = fwd_ptrs[i]
+                                if previous != 0 and previous == last[i]:
+                                    anomaly = OVERWRITE
                         if anomaly is None and bad_flag:
                             anomaly = FLAG
                     if last is not None:
@@ -471,13 +466,18 @@ class Site:
                                 problems = []
                             problems.append((self.relnames[i], anomaly, p))
                     if record:
-                        meta = (mg.dtype, mg.shape, mg.device, ptr) if is_tensor else (None, None, None, None)
-                        append(
-                            (next_seq(), t, step, mb, phase, site, i, mg is not _MISSING)
-                            + ((mg is None) if mg is not _MISSING else None,)
-                            + meta
-                            + (ow, gam, hasattr(p, "__fsdp_param__"), action, anomaly)
-                        )
+                        fsdp = hasattr(p, "__fsdp_param__")
+                        if is_tensor:
+                            append(
+                                (next_seq(), t, step, mb, phase, site, i, True, False, mg.dtype, mg.shape)
+                                + (mg.device, ptr, ow, gam, fsdp, action, anomaly)
+                            )
+                        else:
+                            has = mg is not _MISSING
+                            append(
+                                (next_seq(), t, step, mb, phase, site, i, has, (mg is None) if has else None)
+                                + (None, None, None, None, ow, gam, fsdp, action, anomaly)
+                            )
                 except Exception as exc:  # noqa: BLE001 - one bad parameter must not hide the others
                     rt.hook_error(self, phase, mb, i, exc)
         if record:
