@@ -8,16 +8,13 @@ reports. Output order is by path and does not depend on `jobs` or on the cache.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import pathspec
 from maingrad.analyzer import __version__
 from maingrad.analyzer.cache import ResultCache, content_hash
 from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID, RuleMeta, extra_rules_signature
@@ -69,10 +66,14 @@ class _FileRules:
     def __init__(self, settings: ScanSettings) -> None:
         self.all = tuple(r.id for r in settings.rules)
         self.needles = {r.id: r.needles for r in settings.rules}
-        self._ignores = [
-            (pathspec.GitIgnoreSpec.from_lines([glob]), frozenset(codes))
-            for glob, codes in settings.per_file_ignores
-        ]
+        self._ignores: list[tuple[Any, frozenset[str]]] = []
+        if settings.per_file_ignores:  # pathspec only when needed: warm runs are import-bound
+            import pathspec
+
+            self._ignores = [
+                (pathspec.GitIgnoreSpec.from_lines([glob]), frozenset(codes))
+                for glob, codes in settings.per_file_ignores
+            ]
 
     def for_path(self, relpath: str) -> tuple[str, ...]:
         dropped: set[str] = set()
@@ -195,12 +196,13 @@ def run_tasks(
                 results[key] = exc
             progress.advance()
         return results
+    import multiprocessing
+    from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+
     context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
     ordered = sorted(tasks, key=lambda t: -t[1])
     with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer, initargs=initargs) as pool:
         futures: dict[Future[Any], str] = {pool.submit(func, arg): key for key, _, arg in ordered}
-        from concurrent.futures import as_completed
-
         for future in as_completed(futures):
             key = futures[future]
             try:

@@ -1,0 +1,228 @@
+"""Every output format: text (ruff-like, source context, statistics, colour), JSON, SARIF, GitHub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from maingrad.analyzer.report import Report
+from maingrad.analyzer.reporters.github import escape_data, escape_property
+
+pytestmark = pytest.mark.usefixtures("test_rules")
+
+FILES = {
+    "pkg/a.py": "def f(p):\n    x = p.main_grad\n    bad_call()\n",
+    "pkg/b.py": "y = q.main_grad\n",
+    "pkg/broken.py": "p.main_grad(\n",
+}
+
+
+def test_text_format(project, run) -> None:
+    project(FILES)
+    result = run("check")
+    assert result.code == 1
+    lines = result.out.splitlines()
+    assert lines[:3] == [
+        "pkg/a.py:2:9: MG901 [*] `p.main_grad` is used",
+        "pkg/a.py:3:5: MG902 [*] bad_call() is called",
+        "pkg/b.py:1:5: MG901 [*] `q.main_grad` is used",
+    ]
+    assert lines[3] == "Found 3 findings in 3 files."
+    assert "\033[" not in result.out  # never colour when not a terminal
+    assert "error: pkg/broken.py:" in result.err
+
+
+def test_quiet_statistics_and_show_source(project, run) -> None:
+    project(FILES)
+    assert run("check", "--quiet").out.splitlines()[-1] == "pkg/b.py:1:5: MG901 [*] `q.main_grad` is used"
+    stats = run("check", "--statistics", "--quiet").out.splitlines()
+    assert stats == ["2\tMG901\t[*] test-main-grad-attribute", "1\tMG902\t[*] test-bad-call"]
+    shown = run("check", "--show-source", "--quiet", "--select", "MG902").out
+    assert shown.splitlines()[:6] == [
+        "pkg/a.py:3:5: MG902 [*] bad_call() is called",
+        "  |",
+        "2 |     x = p.main_grad",
+        "3 |     bad_call()",
+        "  |     ^^^^^^^^^^ MG902",
+        "  |",
+    ]
+
+
+def test_colour_only_when_forced_or_on_a_terminal(project, run, monkeypatch: pytest.MonkeyPatch) -> None:
+    project(FILES)
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    assert "\033[" in run("check").out
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert "\033[" not in run("check").out
+
+
+def test_output_file(project, run, tmp_path: Path) -> None:
+    project(FILES)
+    target = tmp_path / "report.json"
+    result = run("check", "--format", "json", "--output", target)
+    assert result.code == 1 and result.out == ""
+    report = Report.from_json(target.read_text())
+    assert [f.path for f in report.findings] == ["pkg/a.py", "pkg/a.py", "pkg/b.py"]
+    assert report.parse_errors[0].path == "pkg/broken.py"
+    assert report.files_scanned == 3 and report.files_parsed == 2
+
+
+# What GitHub code scanning requires of an uploaded SARIF file (docs: "SARIF support for code scanning").
+# No installed package ships the OASIS SARIF 2.1.0 schema, so these are the fields GitHub reads.
+GITHUB_SARIF = {
+    "type": "object",
+    "required": ["version", "runs", "$schema"],
+    "properties": {
+        "version": {"const": "2.1.0"},
+        "runs": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["tool", "results"],
+                "properties": {
+                    "tool": {
+                        "type": "object",
+                        "required": ["driver"],
+                        "properties": {
+                            "driver": {
+                                "type": "object",
+                                "required": ["name", "rules"],
+                                "properties": {
+                                    "name": {"type": "string"},
+                                    "rules": {
+                                        "type": "array",
+                                        "items": {
+                                            "type": "object",
+                                            "required": [
+                                                "id",
+                                                "shortDescription",
+                                                "fullDescription",
+                                                "help",
+                                                "helpUri",
+                                                "defaultConfiguration",
+                                            ],
+                                            "properties": {
+                                                "help": {"type": "object", "required": ["text"]},
+                                                "defaultConfiguration": {
+                                                    "properties": {
+                                                        "level": {
+                                                            "enum": ["none", "note", "warning", "error"]
+                                                        }
+                                                    }
+                                                },
+                                            },
+                                        },
+                                    },
+                                },
+                            }
+                        },
+                    },
+                    "results": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["ruleId", "message", "locations", "partialFingerprints"],
+                            "properties": {
+                                "ruleId": {"type": "string"},
+                                "ruleIndex": {"type": "integer", "minimum": 0},
+                                "level": {"enum": ["none", "note", "warning", "error"]},
+                                "message": {"type": "object", "required": ["text"]},
+                                "partialFingerprints": {
+                                    "type": "object",
+                                    "additionalProperties": {"type": "string"},
+                                },
+                                "locations": {
+                                    "type": "array",
+                                    "minItems": 1,
+                                    "maxItems": 10,
+                                    "items": {
+                                        "type": "object",
+                                        "required": ["physicalLocation"],
+                                        "properties": {
+                                            "physicalLocation": {
+                                                "type": "object",
+                                                "required": ["artifactLocation", "region"],
+                                                "properties": {
+                                                    "artifactLocation": {
+                                                        "type": "object",
+                                                        "required": ["uri"],
+                                                        "properties": {
+                                                            "uri": {"type": "string", "pattern": "^[^/]"}
+                                                        },
+                                                    },
+                                                    "region": {
+                                                        "type": "object",
+                                                        "required": ["startLine"],
+                                                        "properties": {
+                                                            "startLine": {"type": "integer", "minimum": 1},
+                                                            "startColumn": {"type": "integer", "minimum": 1},
+                                                            "endLine": {"type": "integer", "minimum": 1},
+                                                            "endColumn": {"type": "integer", "minimum": 1},
+                                                        },
+                                                    },
+                                                },
+                                            }
+                                        },
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def test_sarif(project, run) -> None:
+    root = project(FILES)
+    sarif = run("check", "--format", "sarif").json()
+    jsonschema.validate(sarif, GITHUB_SARIF)
+    (run_,) = sarif["runs"]
+    rules = run_["tool"]["driver"]["rules"]
+    for result in run_["results"]:
+        assert rules[result["ruleIndex"]]["id"] == result["ruleId"]
+        location = result["locations"][0]["physicalLocation"]
+        assert location["artifactLocation"]["uriBaseId"] == "%SRCROOT%"
+    first = run_["results"][0]
+    assert first["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "pkg/a.py"
+    assert first["locations"][0]["physicalLocation"]["region"]["snippet"]["text"] == "    x = p.main_grad"
+    assert run_["originalUriBaseIds"]["%SRCROOT%"]["uri"] == root.resolve().as_uri() + "/"
+    assert {r["id"] for r in rules} == {"MG901", "MG902", "MG903", "MG904"}
+    assert all(
+        r["helpUri"].endswith(f"/{r['id']}.md") and "What it does" in r["help"]["markdown"] for r in rules
+    )
+    notes = run_["invocations"][0]["toolExecutionNotifications"]
+    assert [n["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for n in notes] == [
+        "pkg/broken.py"
+    ]
+
+    # Fingerprints do not depend on line numbers: move the code down, keep the identity.
+    a = root / "pkg" / "a.py"
+    a.write_text("\n\n\n" + a.read_text())
+    moved = run("check", "--format", "sarif").json()["runs"][0]["results"]
+    assert [r["partialFingerprints"] for r in moved] == [r["partialFingerprints"] for r in run_["results"]]
+    assert moved[0]["locations"][0]["physicalLocation"]["region"]["startLine"] == 5
+
+
+def test_github_annotations(project, run) -> None:
+    project(FILES)
+    lines = run("check", "--format", "github").out.splitlines()
+    assert lines[0] == (
+        "::error file=pkg/a.py,line=2,col=9,endLine=2,endColumn=20,title=MG901 test-main-grad-attribute"
+        "::MG901 `p.main_grad` is used"
+    )
+    assert lines[1].startswith("::warning file=pkg/a.py,line=3,col=5,")
+    assert lines[-1].startswith("::error file=pkg/broken.py,line=")
+    assert escape_data("50%\nx") == "50%25%0Ax"
+    assert escape_property("a:b,c") == "a%3Ab%2Cc"
+
+
+def test_json_round_trips_through_the_report_model(project, run) -> None:
+    project(FILES)
+    text = run("check", "--format", "json").out
+    assert json.loads(Report.from_json(text).to_json()) == json.loads(text)
