@@ -28,6 +28,7 @@ class _OffsetState(CodegenState):
         self.offset = 0
         self.popped = ""
         self.ranges: dict[cst.CSTNode, tuple[int, int]] = {}
+        self.spans: dict[cst.CSTNode, tuple[int, int]] = {}  # whitespace-inclusive: all the node's text
         self._stack: list[int] = []
 
     def add_indent_tokens(self) -> None:
@@ -49,6 +50,7 @@ class _OffsetState(CodegenState):
 
     def after_codegen(self, node: cst.CSTNode) -> None:
         start = self._stack.pop()
+        self.spans[node] = (start, self.offset)
         if node not in self.ranges:  # a syntactic range recorded inside wins
             self.ranges[node] = (start, self.offset)
 
@@ -97,6 +99,7 @@ class LazyPositions:
     def __init__(self, module: cst.Module) -> None:
         self._module = module
         self._ranges: dict[cst.CSTNode, tuple[int, int]] | None = None
+        self._spans: dict[cst.CSTNode, tuple[int, int]] = {}
         self._line_starts: list[int] = []
 
     def _compute(self) -> dict[cst.CSTNode, tuple[int, int]]:
@@ -105,6 +108,7 @@ class LazyPositions:
         code = "".join(state.tokens) + state.popped
         self._line_starts = [0, *(m.end() for m in _NEWLINE.finditer(code))]
         self._ranges = state.ranges
+        self._spans = state.spans
         return state.ranges
 
     def _position(self, offset: int) -> CodePosition:
@@ -115,3 +119,10 @@ class LazyPositions:
         ranges = self._ranges if self._ranges is not None else self._compute()
         start, end = ranges[node]
         return CodeRange(self._position(start), self._position(end))
+
+    def span(self, node: cst.CSTNode) -> tuple[int, int]:
+        """Character offsets [start, end) of all the text `node` generates (whitespace it owns included):
+        exactly what replacing the node can change."""
+        if self._ranges is None:
+            self._compute()
+        return self._spans[node]

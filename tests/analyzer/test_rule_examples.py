@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from itertools import pairwise
 
 import libcst as cst
 import pytest
@@ -65,3 +66,35 @@ def test_fixes_are_exact_idempotent_and_clean(rule: type[Rule], example: Example
     assert fix_source(fixed, "example.py", [rule()], _settings(example), unsafe=True) == fixed
     after = analyze_source(fixed, "example.py", [rule()], _settings(example))
     assert [f for f in after.findings if f.rule == rule.id] == []
+
+
+def _fix_cases() -> list[pytest.param]:
+    return [p for p in _cases("INVALID") if p.values[0].fixable or p.values[1].fixed is not None]
+
+
+@pytest.mark.parametrize(("rule", "example"), _fix_cases())
+def test_each_fix_changes_only_its_replaced_nodes(rule: type[Rule], example: Example) -> None:
+    """Every fix a rule offers on its INVALID examples, applied alone: the bytes outside the replaced nodes'
+    text are unchanged (the libcst round trip keeps everything else), and the result parses."""
+    from maingrad.analyzer.context import FileContext
+    from maingrad.analyzer.fixes import apply_fixes
+    from maingrad.analyzer.positions import LazyPositions
+
+    source = textwrap.dedent(example.code)
+    module = cst.parse_module(source)
+    ctx = FileContext("example.py", source, module, _settings(example))
+    fixes = [v.fix for v in rule().check(ctx) if v.fix is not None]
+    positions = LazyPositions(module)
+    for fix in fixes:
+        fixed = apply_fixes(module, [fix]).code
+        cst.parse_module(fixed)
+        spans = sorted(positions.span(node) for node in fix.replacements)
+        kept = [source[: spans[0][0]]]
+        kept += [source[end:start] for (_, end), (start, _) in pairwise(spans) if start > end]
+        kept.append(source[spans[-1][1] :])
+        assert fixed.startswith(kept[0]) and fixed.endswith(kept[-1]), fix.description
+        cursor = len(kept[0])
+        for segment in kept[1:-1]:
+            found = fixed.find(segment, cursor)
+            assert found >= 0, (fix.description, segment)
+            cursor = found + len(segment)
