@@ -19,7 +19,7 @@ from maingrad.service.api.routes import alerts, gate, health, projects, reports,
 from maingrad.service.bodies import BodyLimitMiddleware, body_limits
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
-from maingrad.service.metrics import MetricsMiddleware
+from maingrad.service.metrics import MetricsMiddleware, new_registry
 from maingrad.service.models import Token
 from maingrad.service.schemas import Problem
 from sqlalchemy import select
@@ -82,7 +82,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     problems.install(app)
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limits(settings))
-    app.add_middleware(MetricsMiddleware)
+    app.state.metrics = new_registry()
+    app.add_middleware(MetricsMiddleware, registry=app.state.metrics)
     app.include_router(health.router)
     app.include_router(api_router())
     from maingrad.service.dashboard.routes import mount as mount_dashboard

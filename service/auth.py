@@ -32,6 +32,7 @@ class Principal:
     name: str
     project_id: int | None  # None: instance-wide
     scopes: frozenset[str]
+    needs_touch: bool = False  # last_used_at is older than a minute
 
     @property
     def instance_admin(self) -> bool:
@@ -46,7 +47,7 @@ def unauthorized(code: str, detail: str) -> ProblemError:
     return ProblemError(401, code, detail, headers=_BEARER)
 
 
-def authenticate(session: Session, db: Database, settings: Settings, token: str | None) -> Principal:
+def authenticate(session: Session, settings: Settings, token: str | None) -> Principal:
     if not token:
         raise unauthorized("missing_token", "an API token is required (Authorization: Bearer <token>)")
     token = token.strip()
@@ -67,16 +68,19 @@ def authenticate(session: Session, db: Database, settings: Settings, token: str 
         raise unauthorized("token_revoked", "the token was revoked")
     if row.expires_at is not None and row.expires_at <= now:
         raise unauthorized("token_expired", "the token has expired")
-    if row.last_used_at is None or now - row.last_used_at > _TOUCH_EVERY:
-        _touch(db, row.id, now)
-    return Principal(row.id, row.name, row.project_id, tokens.expand_scopes(row.scope_set))
+    stale = row.last_used_at is None or now - row.last_used_at > _TOUCH_EVERY
+    return Principal(row.id, row.name, row.project_id, tokens.expand_scopes(row.scope_set), stale)
 
 
-def _touch(db: Database, token_id: int, now: dt.datetime) -> None:
-    """Best-effort last_used_at, at most once a minute per token (a write per request would cost)."""
+def touch(db: Database, principal: Principal) -> None:
+    """Best-effort last_used_at, at most once a minute per token (a write per request would cost).
+
+    Call it with no session open: it takes a write connection of its own."""
+    if not principal.needs_touch or principal.token_id is None:
+        return
     try:
         with db.writing() as session:
-            session.execute(update(Token).where(Token.id == token_id).values(last_used_at=now))
+            session.execute(update(Token).where(Token.id == principal.token_id).values(last_used_at=utcnow()))
     except Exception as exc:  # never fail a request over bookkeeping
         log.warning("could not record token use: %s", exc)
 

@@ -30,14 +30,16 @@ def make_engine(settings: Settings) -> Engine:
             url,
             connect_args={"check_same_thread": False, "timeout": settings.sqlite_busy_timeout_ms / 1000},
             pool_size=settings.db_pool_size,
-            max_overflow=20,
+            max_overflow=40,
+            pool_timeout=60,
         )
         _configure_sqlite(engine, settings.sqlite_busy_timeout_ms)
         return engine
     return create_engine(
         url,
         pool_size=settings.db_pool_size,
-        max_overflow=20,
+        max_overflow=30,
+        pool_timeout=60,
         pool_pre_ping=True,
     )
 

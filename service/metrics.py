@@ -79,17 +79,17 @@ def _num(value: float) -> str:
     return str(int(value)) if value == int(value) else repr(value)
 
 
-REGISTRY = Registry()
-REGISTRY.describe("maingrad_http_requests_total", "counter", "HTTP requests by method, route and status.")
-REGISTRY.describe("maingrad_http_request_duration_seconds", "histogram", "HTTP request latency by route.")
-REGISTRY.describe("maingrad_reports_total", "counter", "Report uploads by outcome.")
-REGISTRY.describe(
-    "maingrad_records_ingested_total", "counter", "Runtime records stored (duplicates excluded)."
-)
-REGISTRY.describe(
-    "maingrad_records_duplicate_total", "counter", "Runtime records received again and ignored."
-)
-REGISTRY.describe("maingrad_rejected_total", "counter", "Requests answered with a problem document, by code.")
+def new_registry() -> Registry:
+    """One registry per app (tests run many apps in one process; each must count alone)."""
+    reg = Registry()
+    reg.describe("maingrad_http_requests_total", "counter", "HTTP requests by method, route and status.")
+    reg.describe("maingrad_http_request_duration_seconds", "histogram", "HTTP request latency by route.")
+    reg.describe("maingrad_reports_total", "counter", "Report uploads by outcome.")
+    reg.describe(
+        "maingrad_records_ingested_total", "counter", "Runtime records stored (duplicates excluded)."
+    )
+    reg.describe("maingrad_records_duplicate_total", "counter", "Runtime records received again and ignored.")
+    return reg
 
 
 def route_template(scope: dict[str, Any]) -> str:
@@ -115,7 +115,7 @@ def route_template(scope: dict[str, Any]) -> str:
 class MetricsMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware overhead on the hot path)."""
 
-    def __init__(self, app: Any, registry: Registry = REGISTRY) -> None:
+    def __init__(self, app: Any, registry: Registry) -> None:
         self.app = app
         self.registry = registry
 

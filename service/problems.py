@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 from typing import Any
 
@@ -11,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 PROBLEM_JSON = "application/problem+json"
+log = logging.getLogger("maingrad.service")
 
 
 class ProblemError(Exception):
@@ -125,4 +127,5 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return problem_response(500, "internal_error", "unexpected server error", instance=request.url.path)

@@ -40,11 +40,15 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 def get_principal(
     request: Request,
-    session: SessionDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None,
 ) -> auth.Principal:
+    """Authenticate in a short session of its own: no connection is held while the handler runs."""
+    db: Database = request.app.state.db
     token = credentials.credentials if credentials is not None else None
-    return auth.authenticate(session, request.app.state.db, request.app.state.settings, token)
+    with db.read() as session:
+        principal = auth.authenticate(session, request.app.state.settings, token)
+    auth.touch(db, principal)
+    return principal
 
 
 PrincipalDep = Annotated[auth.Principal, Depends(get_principal)]
@@ -60,8 +64,9 @@ ProjectName = Annotated[str, Path(description="Project name.", examples=["demo"]
 
 
 def _access(scope: str):  # type: ignore[no-untyped-def]
-    def dependency(project: ProjectName, principal: PrincipalDep, session: SessionDep) -> Access:
-        return Access(principal, auth.authorize(session, principal, project, scope))
+    def dependency(project: ProjectName, principal: PrincipalDep, request: Request) -> Access:
+        with request.app.state.db.read() as session:  # released before the handler takes its own
+            return Access(principal, auth.authorize(session, principal, project, scope))
 
     dependency.__name__ = f"require_{scope}"
     return dependency

@@ -52,9 +52,10 @@ def _viewer(request: Request, session: Session) -> auth.Principal:
     if not token:
         raise LoginRequired
     try:
-        return auth.authenticate(session, request.app.state.db, settings, token)
+        principal = auth.authenticate(session, settings, token)
     except ProblemError:
         raise LoginRequired from None
+    return principal
 
 
 def _render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
@@ -80,7 +81,7 @@ def login_form(request: Request) -> HTMLResponse:
 @router.post("/login", response_class=HTMLResponse)
 def login(request: Request, session: SessionDep, token: Annotated[str, Form(max_length=200)]) -> Response:
     try:
-        principal = auth.authenticate(session, request.app.state.db, request.app.state.settings, token)
+        principal = auth.authenticate(session, request.app.state.settings, token)
     except ProblemError as exc:
         return _render(request, "login.html", status_code=401, error=exc.detail)
     if "read" not in principal.scopes:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from maingrad.service import migrate
 from maingrad.service.api.deps import DbDep
-from maingrad.service.metrics import REGISTRY
 from maingrad.service.problems import problem_response
 from maingrad.service.schemas import Health, Problem, Ready
 from sqlalchemy import text
@@ -45,5 +44,7 @@ def readyz(db: DbDep) -> Ready | JSONResponse:
     summary="Prometheus metrics (text format 0.0.4)",
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
-def metrics() -> PlainTextResponse:
-    return PlainTextResponse(REGISTRY.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+def metrics(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(
+        request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )

@@ -10,7 +10,6 @@ from fastapi.responses import JSONResponse
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep, UploadAccess
 from maingrad.service.api.params import CommitQuery, CursorQuery, IdPath, LimitQuery, OptionalCommitQuery
 from maingrad.service.bodies import decode_content, read_body
-from maingrad.service.metrics import REGISTRY
 from maingrad.service.models import Analysis, Commit, Finding, Run
 from maingrad.service.pagination import decode_cursor, encode_cursor
 from maingrad.service.problems import ProblemError
@@ -74,7 +73,7 @@ async def upload_report(
         body=body,
         idempotency_key=idempotency_key,
     )
-    REGISTRY.inc("maingrad_reports_total", outcome=outcome.body["outcome"])
+    request.app.state.metrics.inc("maingrad_reports_total", outcome=outcome.body["outcome"])
     location = f"/api/v1/projects/{access.project.name}/analyses/{outcome.body['id']}"
     return JSONResponse(outcome.body, status_code=outcome.status_code, headers={"Location": location})
 

@@ -11,7 +11,6 @@ from maingrad.service import records
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep, UploadAccess
 from maingrad.service.api.params import CursorQuery, LimitQuery, OptionalCommitQuery
 from maingrad.service.bodies import decode_content, read_body
-from maingrad.service.metrics import REGISTRY
 from maingrad.service.models import Record, Run
 from maingrad.service.pagination import decode_cursor, encode_cursor
 from maingrad.service.problems import ProblemError
@@ -69,9 +68,9 @@ async def post_records(
         body,
         settings.max_records_per_batch,
     )
-    REGISTRY.inc("maingrad_records_ingested_total", result["inserted"])
+    request.app.state.metrics.inc("maingrad_records_ingested_total", result["inserted"])
     if result["duplicates"]:
-        REGISTRY.inc("maingrad_records_duplicate_total", result["duplicates"])
+        request.app.state.metrics.inc("maingrad_records_duplicate_total", result["duplicates"])
     return result
 
 
