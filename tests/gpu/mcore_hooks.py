@@ -11,7 +11,10 @@ Cases (--cases, default: fused hooks check nonfused, plus shipped when megatron-
   hooks     fused path + maingrad.hooks.install(model, mode=--mode, overwrite_policy=--policy) -> trains
   check     fused path + install(model, mode="check") -> expected MainGradContractError before TE
   shipped   fused path as shipped (0.19+ exposes main_grad itself) + hooks in observe mode (records flags)
-  nonfused  use_transformer_engine_op_fuser=False: the reference the others are compared with
+  nonfused  use_transformer_engine_op_fuser=False (TE GroupedLinear modules, still fusing wgrad into main_grad)
+  plain     nonfused and gradient_accumulation_fusion=False: autograd .grad, accumulated by Megatron-FSDP itself.
+            The reference for lost micro-batches: the nonfused path reads overwrite_main_grad too, so when a
+            flag makes the fused backward overwrite an earlier micro-batch, nonfused loses it the same way.
 On megatron-core >= 0.19 its own TEGroupedMLP._ensure_main_grad is replaced by a no-op for fused/hooks/check
 (--keep-upstream leaves it), so the hooks are what fixes the path. Every case builds a one-layer MoE
 TransformerBlock (E experts, top-2, SwiGLU, bf16, gradient_accumulation_fusion=True) wrapped in Megatron-FSDP
@@ -93,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- megatron setup (the calls examples/mcore_repro.py proved on the H200) ------------------------------
-def make_config(args: argparse.Namespace, fused: bool):
+def make_config(args: argparse.Namespace, fused: bool, fusion: bool = True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -116,7 +119,7 @@ def make_config(args: argparse.Namespace, fused: bool):
         normalization="RMSNorm",
         bf16=True,
         params_dtype=torch.bfloat16,
-        gradient_accumulation_fusion=True,
+        gradient_accumulation_fusion=fusion,
         use_transformer_engine_op_fuser=fused,
     )
 
@@ -134,7 +137,7 @@ def make_ddp_config(strategy: str):
     )
 
 
-def build(args: argparse.Namespace, fused: bool, seed: int = 1234):
+def build(args: argparse.Namespace, fused: bool, fusion: bool = True, seed: int = 1234):
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -153,7 +156,7 @@ def build(args: argparse.Namespace, fused: bool, seed: int = 1234):
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    cfg = make_config(args, fused)
+    cfg = make_config(args, fused, fusion)
     net = Net(cfg).cuda()
     return FullyShardedDataParallel(config=cfg, ddp_config=make_ddp_config(args.strategy), module=net)
 
@@ -235,7 +238,7 @@ def short_error(exc: BaseException) -> str:
         if "maingrad" not in frame.filename or "/hooks/" in frame.filename:
             where = f" at {_short_path(frame.filename)}:{frame.lineno}"
             break
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}{where}"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}{where}"
 
 
 def _short_path(path: str) -> str:
@@ -259,7 +262,8 @@ def make_sinks(args: argparse.Namespace, case: str) -> list:
 def run_case(args: argparse.Namespace, case: str) -> dict:
     from maingrad.hooks import install
 
-    fused = case != "nonfused"
+    fused = case not in ("nonfused", "plain")
+    fusion = case != "plain"
     hooks_mode = {"hooks": args.mode, "check": "check", "shipped": "observe"}.get(case)
     disable = case in ("fused", "hooks", "check") and not args.keep_upstream
     result: dict = {"case": case, "ok": False, "error": None, "losses": [], "grads": [], "hooks": None}
@@ -270,7 +274,7 @@ def run_case(args: argparse.Namespace, case: str) -> dict:
     handle = None
     with UpstreamFixDisabled(disable):
         try:
-            model = build(args, fused)
+            model = build(args, fused, fusion)
             if hooks_mode is not None:
                 run_id = f"{args.run or 'gpu'}-{case}-{args.strategy}-mb{args.mb}"
                 handle = install(
@@ -480,6 +484,9 @@ def print_table(args, versions: dict, results: list[dict]) -> None:
     for row in rows:
         log("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
     for r in results:
+        for key in ("compare", "compare_plain"):
+            if r.get(key, {}).get("worst"):
+                log(f"  {r['case']} {key}: worst {r[key]['worst']} ({r[key]['max_rel']:.2e})")
         if r["error"]:
             log(f"  {r['case']}: {r['error']}")
         if r.get("sync"):
