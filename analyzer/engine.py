@@ -15,6 +15,8 @@ from maingrad.analyzer.positions import LazyPositions
 from maingrad.analyzer.report import Finding, ParseError, Severity, fingerprint
 from maingrad.analyzer.rules.base import Fix, Rule, Violation
 
+SNIPPET_MAX_LINES = 20
+
 
 @dataclass
 class FileResult:
@@ -110,7 +112,9 @@ def _to_findings(
         occurrence = seen.get(key, 0)
         seen[key] = occurrence + 1
         fp = fingerprint(rule.id, ctx.path, context, occurrence)
-        snippet = "\n".join(lines[where.start.line - 1 : where.end.line]) if lines else ""
+        # The flagged lines (capped: a finding on a whole class must not put the class into every report).
+        last = min(where.end.line, where.start.line + SNIPPET_MAX_LINES - 1)
+        snippet = "\n".join(lines[where.start.line - 1 : last]) if lines else ""
         findings.append(
             Finding(
                 rule=rule.id,
