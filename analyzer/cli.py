@@ -140,6 +140,13 @@ def run_check(args: argparse.Namespace) -> int:
         return _error(str(exc))
     except FileNotFoundError as exc:
         return _error(str(exc))
+    except OSError as exc:  # e.g. --output into a missing directory
+        return _error(f"{exc.filename or ''}: {exc.strerror or exc}")
+    except Exception:  # a bug in maingrad: say so, with the traceback, and exit 2 (never 0 or 1)
+        import traceback
+
+        traceback.print_exc()
+        return _error("internal error (please report it with the traceback above)")
 
 
 def _run_check(args: argparse.Namespace) -> int:

@@ -74,3 +74,17 @@ def test_real_rules_on_the_shipped_example(monkeypatch: pytest.MonkeyPatch) -> N
     assert done.returncode == 1, done.stderr
     findings = json.loads(done.stdout)["findings"]
     assert ("examples/buggy_grouped_mlp.py", "MG001") in {(f["path"], f["rule"]) for f in findings}
+
+
+@pytest.mark.usefixtures("test_rules")
+def test_unwritable_output_and_internal_errors_exit_2(project, run, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = project({"a.py": "x = p.main_grad\n"})
+    result = run("check", "--output", root / "missing" / "report.json")
+    assert result.code == 2 and "No such file or directory" in result.err
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ValueError("bug")
+
+    monkeypatch.setattr("maingrad.analyzer.runner.scan", broken)
+    result = run("check")
+    assert result.code == 2 and "internal error" in result.err and "ValueError: bug" in result.err
