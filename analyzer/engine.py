@@ -45,7 +45,9 @@ def parse(source: str, path: str) -> cst.Module | ParseError:
         return ParseError(
             path=path, message=f"syntax error: {exc.message}", line=exc.raw_line, column=exc.raw_column + 1
         )
-    except Exception as exc:  # libcst raises a few other types on exotic input; never crash the scan
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # exotic input: other libcst errors, even a native parser panic
         return ParseError(path=path, message=f"{type(exc).__name__}: {exc}")
 
 

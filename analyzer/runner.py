@@ -131,7 +131,9 @@ def analyze_text(relpath: str, text: str, rule_ids: tuple[str, ...]) -> dict[str
             {rid: Severity(sev) for rid, sev in settings.severities},
             catch_rule_errors=True,
         )
-    except Exception as exc:  # the engine itself failed on this file: report, never crash the scan
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # the engine itself failed on this file (even a native panic): report it
         outcome["internal"].append(f"internal error: {type(exc).__name__}: {exc}")
         return outcome
     outcome["internal"] = [f"internal error: rule {message}" for message in result.rule_errors]
@@ -192,7 +194,9 @@ def run_tasks(
         for key, _, arg in tasks:
             try:
                 results[key] = func(arg)
-            except Exception as exc:
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:
                 results[key] = exc
             progress.advance()
         return results
@@ -207,7 +211,9 @@ def run_tasks(
             key = futures[future]
             try:
                 results[key] = future.result()
-            except Exception as exc:  # includes BrokenProcessPool when a worker dies
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # includes BrokenProcessPool when a worker dies
                 results[key] = exc
             progress.advance()
     return results
