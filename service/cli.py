@@ -166,6 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.database_url:
         os.environ["MAINGRAD_DATABASE_URL"] = args.database_url
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     uvicorn.run(
         "maingrad.service.app:create_app",
         factory=True,
@@ -269,7 +270,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
                 body = client.gate(project, commit, args.base)
             except ClientError as exc:
                 if exc.status == 0 and time.monotonic() < deadline:
-                    time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
+                    time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
                     continue
                 return _err(f"gate failed: {exc}")
         else:
@@ -282,7 +283,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
                 return _err(f"no project {project!r} in the database")
         if body["status"] != "pending" or time.monotonic() >= deadline:
             break
-        time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
+        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
     if args.format == "json":
         print(json.dumps(body, indent=2))
     else:

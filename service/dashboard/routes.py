@@ -83,9 +83,9 @@ def login(request: Request, session: SessionDep, token: Annotated[str, Form(max_
     try:
         principal = auth.authenticate(session, request.app.state.settings, token)
     except ProblemError as exc:
-        return _render(request, "login.html", status_code=401, error=exc.detail)
+        return _render(request, "login.html", error=exc.detail)  # the form again, with the reason
     if "read" not in principal.scopes:
-        return _render(request, "login.html", status_code=403, error="this token cannot read")
+        return _render(request, "login.html", error="this token cannot read")
     response = RedirectResponse("/", status_code=303)
     response.set_cookie(
         COOKIE,
