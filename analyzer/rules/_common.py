@@ -198,12 +198,48 @@ def _all_params(params: cst.Parameters) -> Iterator[cst.Param]:
 def single_binding(
     bindings: dict[str, list[cst.BaseExpression]], node: cst.CSTNode
 ) -> cst.BaseExpression | None:
-    """The one value a local Name is bound to, else None."""
-    if isinstance(node, cst.Name):
-        values = bindings.get(node.value)
+    """The one value a local Name (or a dotted attribute from `attribute_bindings`) is bound to, else None."""
+    key = (
+        node.value
+        if isinstance(node, cst.Name)
+        else dotted_name(node)
+        if isinstance(node, cst.Attribute)
+        else None
+    )
+    if key is not None:
+        values = bindings.get(key)
         if values and len(values) == 1:
             return values[0]
     return None
+
+
+def attribute_bindings(owner: cst.ClassDef | None) -> dict[str, list[cst.BaseExpression]]:
+    """`ctx.use_main_grad` -> values assigned to that dotted target anywhere in the class (autograd
+    Functions decide in `forward` and read the decision from `ctx` in `backward`). Targets also updated
+    by augmented assignment are dropped."""
+    if owner is None:
+        return {}
+    bindings: dict[str, list[cst.BaseExpression]] = {}
+    other: set[str] = set()
+    for node in walk.find(owner.body, cst.Assign, cst.AugAssign, cst.AnnAssign):
+        if isinstance(node, cst.Assign):
+            for target in node.targets:
+                key = dotted_name(target.target) if isinstance(target.target, cst.Attribute) else None
+                if key is not None:
+                    bindings.setdefault(key, []).append(node.value)
+        elif (
+            isinstance(node, cst.AnnAssign)
+            and isinstance(node.target, cst.Attribute)
+            and node.value is not None
+        ):
+            key = dotted_name(node.target)
+            if key is not None:
+                bindings.setdefault(key, []).append(node.value)
+        elif isinstance(node, cst.AugAssign):
+            key = dotted_name(node.target)
+            if key is not None:
+                other.add(key)
+    return {key: values for key, values in bindings.items() if key not in other}
 
 
 # Conditions about a receiver -------------------------------------------------------------------------
@@ -316,7 +352,8 @@ def path_facts(ctx: FileContext, node: cst.CSTNode, receiver: cst.CSTNode) -> se
     `try: ... except AttributeError`.
     """
     func = enclosing_function(ctx, node)
-    cond = Condition(code_of(receiver), local_bindings(func))
+    bindings = {**attribute_bindings(enclosing_class(ctx, node)), **local_bindings(func)}
+    cond = Condition(code_of(receiver), bindings)
     facts: set[str] = set()
 
     def add(fact: str | None) -> None:

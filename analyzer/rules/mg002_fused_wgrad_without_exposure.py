@@ -170,6 +170,26 @@ The fix inserts exactly that guarded exposure before the outermost statement on 
         ),
         Example(
             """\
+            class ChunkedHead(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x, weight, fusion):
+                    ctx.save_for_backward(x, weight)
+                    # decided in forward: the fused path is only for non-FSDP (DDP) parameters
+                    ctx.use_main_grad = fusion and hasattr(weight, "main_grad") and not hasattr(weight, "__fsdp_param__")
+                    ctx.main_grad = weight.main_grad if ctx.use_main_grad else None
+                    return x @ weight.t()
+
+                @staticmethod
+                def backward(ctx, dy):
+                    x, weight = ctx.saved_tensors
+                    if ctx.use_main_grad:
+                        weight.main_grad = ctx.main_grad
+                        wgrad_gemm_accum_fp32(x, dy, weight.main_grad)
+                    return dy @ weight, None, None
+            """
+        ),
+        Example(
+            """\
             def finalize(self, partial_grad):
                 partial_grad.redistribute(self.main_grad.placements, out=self.main_grad)
             """
@@ -271,6 +291,26 @@ The fix inserts exactly that guarded exposure before the outermost statement on 
                 wgrad_gemm_accum_fp32(x, dy, fc2_weight.main_grad)
             """,
             line=3,
+        ),
+        Example(
+            """\
+            class ChunkedHead(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x, weight, fusion):
+                    ctx.save_for_backward(x, weight)
+                    ctx.use_main_grad = fusion and hasattr(weight, "main_grad")
+                    ctx.main_grad = weight.main_grad if ctx.use_main_grad else None
+                    return x @ weight.t()
+
+                @staticmethod
+                def backward(ctx, dy):
+                    x, weight = ctx.saved_tensors
+                    if ctx.use_main_grad:
+                        weight.main_grad = ctx.main_grad  # captured at forward: None/stale under Megatron-FSDP
+                        wgrad_gemm_accum_fp32(x, dy, weight.main_grad)
+                    return dy @ weight, None, None
+            """,
+            line=14,
         ),
         Example(
             """\
