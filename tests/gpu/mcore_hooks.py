@@ -68,7 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--cases", nargs="+", default=None, choices=["fused", "hooks", "check", "shipped", "nonfused"]
+        "--cases",
+        nargs="+",
+        default=None,
+        choices=["fused", "hooks", "check", "shipped", "nonfused", "plain"],
     )
     p.add_argument("--strategy", default=env("STRATEGY", "optim_grads_params"), choices=STRATEGIES)
     p.add_argument("--mb", type=int, default=int(env("MB", "2")), help="micro-batches per step")
@@ -455,7 +458,8 @@ def print_table(args, versions: dict, results: list[dict]) -> None:
         "case",
         "result",
         "loss[last]",
-        "max_rel_grad",
+        "rel_vs_nonfused",
+        "rel_vs_plain",
         "loss_rel",
         "exposed",
         "anomalies",
@@ -465,6 +469,7 @@ def print_table(args, versions: dict, results: list[dict]) -> None:
     rows = [header]
     for r in results:
         cmp = r.get("compare", {})
+        plain = r.get("compare_plain", {})
         hooks = r.get("hooks")
         anomalies = ",".join(f"{k}={v}" for k, v in sorted((hooks or {}).get("anomalies", {}).items())) or "-"
         rows.append(
@@ -473,7 +478,8 @@ def print_table(args, versions: dict, results: list[dict]) -> None:
                 "OK" if r["ok"] else "FAIL",
                 f"{r['losses'][-1]:.6f}" if r["losses"] else "-",
                 f"{cmp['max_rel']:.2e}" if "max_rel" in cmp else ("ref" if r["case"] == "nonfused" else "-"),
-                f"{cmp['loss_rel']:.1e}" if "loss_rel" in cmp else "-",
+                f"{plain['max_rel']:.2e}" if "max_rel" in plain else ("ref" if r["case"] == "plain" else "-"),
+                f"{(plain or cmp)['loss_rel']:.1e}" if "loss_rel" in (plain or cmp) else "-",
                 str(hooks["exposed"]) if hooks else "-",
                 anomalies if hooks else "-",
                 flags_text(hooks, "forward"),
@@ -513,14 +519,16 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(LOCAL_RANK),
         "upstream_fix": has_upstream_fix(),
     }
-    cases = args.cases or (
-        ["fused", "hooks", "check"] + (["shipped"] if has_upstream_fix() else []) + ["nonfused"]
-    )
+    shipped = ["shipped"] if has_upstream_fix() else []
+    cases = args.cases or ["fused", "hooks", "check", *shipped, "nonfused", "plain"]
     results = [run_case(args, case) for case in cases]
-    reference = next((r for r in results if r["case"] == "nonfused"), None)
+    nonfused = next((r for r in results if r["case"] == "nonfused"), None)
+    plain = next((r for r in results if r["case"] == "plain"), None)
     for r in results:
-        if reference is not None and r is not reference:
-            r["compare"] = compare(r, reference)
+        if nonfused is not None and r is not nonfused and r is not plain:
+            r["compare"] = compare(r, nonfused)
+        if plain is not None and r is not plain:
+            r["compare_plain"] = compare(r, plain)
     print_table(args, versions, results)
     if args.json and RANK == 0:
         out = {
