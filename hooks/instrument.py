@@ -58,6 +58,21 @@ def _is_distributed(param: Any) -> bool:
     return hasattr(param, "_local_tensor") or hasattr(param, "to_local")
 
 
+def _overwrites_accumulation(param: Any, forward_ptr: int, previous_backward_ptr: int) -> bool:
+    """Backward of micro-batch >= 1 with overwrite_main_grad=True: does it discard an earlier micro-batch?
+
+    Megatron-FSDP says it exactly: the parameter's gradient buffer (`param._gbuf`) is not sharded
+    (`is_data_distributed` False: no_shard/optim, and every strategy at data-parallel size 1), so main_grad
+    is a view of the persistent accumulation buffer and an overwrite replaces what earlier micro-batches put
+    there. Elsewhere: this micro-batch's forward found main_grad still pointing at the buffer the previous
+    backward wrote (nothing consumed or reset it).
+    """
+    distributed = getattr(getattr(param, "_gbuf", None), "is_data_distributed", None)
+    if type(distributed) is bool:
+        return not distributed
+    return forward_ptr != 0 and forward_ptr == previous_backward_ptr
+
+
 def _self_exposing(cls: type) -> bool:
     """megatron-core >= 0.19 TEGroupedMLP exposes main_grad in its fused pre-forward hook (unless someone
     replaced `_ensure_main_grad`, e.g. by a no-op lambda, to take the fix out: then it does not count)."""
@@ -450,10 +465,14 @@ class Site:
                                     anomaly = SHAPE
                                 else:
                                     checked[i] = ptr
-                            if anomaly is None and last is not None and ow is True and mb > 0 and fwd_ptrs:
-                                previous = fwd_ptrs[i]
-                                if previous != 0 and previous == last[i]:
-                                    anomaly = OVERWRITE
+                            if (
+                                anomaly is None
+                                and last is not None
+                                and ow is True
+                                and mb > 0
+                                and _overwrites_accumulation(p, fwd_ptrs[i] if fwd_ptrs else 0, last[i])
+                            ):
+                                anomaly = OVERWRITE
                         if anomaly is None and bad_flag:
                             anomaly = FLAG
                     if last is not None:

@@ -63,9 +63,11 @@ ANOMALIES: dict[str, str] = {
     "param_missing": "the instrumented parameter slot is gone or None (parameter removed or replaced by None)",
     "flag_not_bool": "overwrite_main_grad or grad_added_to_main_grad holds a non-bool (a tensor flag would "
     "be truth-tested by TE and sync the device, or be ambiguous)",
-    "overwrite_discards_microbatch": "heuristic, backward only: overwrite_main_grad is True in micro-batch >= 1 "
-    "and this micro-batch's forward found main_grad still holding the buffer the previous micro-batch's "
-    "backward wrote (nothing consumed or reset it), so the overwrite discards that micro-batch's gradient",
+    "overwrite_discards_microbatch": "backward only: overwrite_main_grad is True in micro-batch >= 1 while "
+    "main_grad is the persistent accumulation buffer, so the fused wgrad overwrites what earlier micro-batches "
+    "accumulated. Known exactly under Megatron-FSDP (the parameter's gradient buffer `_gbuf` is not sharded: "
+    "no_shard/optim, or any strategy at data-parallel size 1); elsewhere a heuristic: this micro-batch's "
+    "forward found main_grad still holding the buffer the previous backward wrote",
     "hook_error": "maingrad's own hook code raised; the record says what it could, training went on",
 }
 

@@ -165,13 +165,20 @@ def _script(tmp_path: Path, *args: str) -> dict:
 def test_mcore_fused_grouped_mlp_fixed_by_hooks(tmp_path: Path, microbatches: str) -> None:
     result = _script(tmp_path, "--strategy", "optim_grads_params", "--mb", microbatches)
     cases = result["cases"]
-    assert cases["plain"]["ok"], cases["plain"]["error"]
-    assert cases["nonfused"]["compare_plain"]["max_rel"] < 2e-2  # sharded grads: no micro-batch lost anywhere
     assert not cases["fused"]["ok"] and "MAIN GRAD" in cases["fused"]["error"]
     hooks = cases["hooks"]
     assert hooks["ok"], hooks["error"]
     assert hooks["compare"]["max_rel"] < 2e-2 and hooks["compare"]["loss_rel"] < 1e-3, hooks["compare"]
     assert hooks["hooks"]["exposed"] > 0 and hooks["hooks"]["internal_errors"] == 0
+    assert cases["plain"]["ok"], cases["plain"]["error"]
+    # At data-parallel size 1 Megatron-FSDP does not shard the gradient buffer even for optim_grads_params,
+    # yet sets overwrite_main_grad=True: with 2 micro-batches both TE paths (fused and nonfused) drop the
+    # first one. The records must say so exactly when it happens.
+    diverged = hooks["compare_plain"]["max_rel"] > 5e-2
+    assert diverged == ("overwrite_discards_microbatch" in hooks["hooks"]["anomalies"]), hooks[
+        "compare_plain"
+    ]
+    assert diverged == (microbatches != "1" and result["world"] == 1)
     assert not cases["check"]["ok"] and cases["check"]["error_type"] == "MainGradContractError"
     sync = hooks["sync"]
     assert sync["warn_step_sync_events_in_hooks"] == 0, sync

@@ -366,6 +366,8 @@ class MegatronFSDP(torch.nn.Module):
             param.grad_added_to_main_grad = False
             param.__fsdp_param__ = True
             param.get_main_grad = types.MethodType(self._main_grad_getter(name), param)
+            # Megatron-FSDP's per-parameter gradient buffer; sharded here as at data-parallel size >= 2
+            param._gbuf = types.SimpleNamespace(is_data_distributed=self.sharded_grads)
             param.register_post_accumulate_grad_hook(self._grad_acc)
         self.units = unit_types if strategy == "optim_grads_params" else ()
         self._register_unshard_hooks()
