@@ -1,0 +1,155 @@
+"""Hooks' share of a training step of a realistic MoE layer on one GPU (evidence issue, run 4).
+
+megatron-core 0.19.2's fused TEGroupedMLP (op-fuser path, which exposes main_grad itself) under
+Megatron-FSDP; the same model is timed without hooks, with `maingrad.hooks` in `fix` mode and in `observe`
+mode, interleaved round by round so clock drift hits every variant alike. Each step
+(zero_grad_buffer -> MB forward/backward -> finish_grad_sync) is timed with CUDA events; the median per
+variant is compared against the no-hook median of the same run.
+
+usage (GPU machine): NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 PYTHONPATH=/tmp/site:/tmp/mc19:/tmp/mg \
+    python3 benchmarks/gpu/moe_overhead.py
+env: EXPERTS (64), HIDDEN (1024), FFN (1024), TOKENS (4096), MB (2), ROUNDS (6), STEPS (5 per round)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+os.environ.setdefault("NVTE_FLASH_ATTN", "0")
+os.environ.setdefault("NVTE_FUSED_ATTN", "0")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", "29561")
+os.environ.setdefault("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+E = int(os.environ.get("EXPERTS", "64"))
+H = int(os.environ.get("HIDDEN", "1024"))
+FFN = int(os.environ.get("FFN", "1024"))
+TOKENS = int(os.environ.get("TOKENS", "4096"))
+MB = int(os.environ.get("MB", "2"))
+ROUNDS = int(os.environ.get("ROUNDS", "6"))
+STEPS = int(os.environ.get("STEPS", "5"))
+SEQ, BATCH = TOKENS // 4, 4
+
+
+def build():
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=8,
+        ffn_hidden_size=4 * H,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=FFN,
+        moe_grouped_gemm=True,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        gradient_accumulation_fusion=True,
+        use_transformer_engine_op_fuser=True,
+    )
+    ddp = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=os.environ.get("STRATEGY", "optim_grads_params"),
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=True,
+    )
+
+    class Net(MegatronModule):
+        def __init__(self, config):
+            super().__init__(config=config)
+            spec = get_gpt_layer_with_transformer_engine_spec(num_experts=E, moe_grouped_gemm=True)
+            self.decoder = TransformerBlock(config=config, spec=spec)
+
+        def forward(self, x):
+            out = self.decoder(hidden_states=x, attention_mask=None)
+            return out[0] if isinstance(out, tuple) else out
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    net = Net(cfg).cuda()
+    return FullyShardedDataParallel(config=cfg, ddp_config=ddp, module=net)
+
+
+def timed_steps(model, x, tgt, steps, handle=None) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model.zero_grad_buffer()
+        for mb in range(MB):
+            out = model(torch.roll(x, shifts=mb, dims=0) if mb else x)
+            ((out.float() - tgt.float()) ** 2).mean().backward()
+        model.finish_grad_sync()
+        end.record()
+        if handle is not None:
+            handle.step()  # flush at the step boundary, as a training loop would (outside the timed hooks)
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def main() -> None:
+    from maingrad.hooks import install
+
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    model = build()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(SEQ, BATCH, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    tgt = torch.randn(SEQ, BATCH, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    timed_steps(model, x, tgt, 3)  # warm-up: kernels, allocator, main_grad buffers
+    variants = ("none", "fix", "observe")
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    records = {v: 0 for v in variants}
+    t0 = time.time()
+    for _ in range(ROUNDS):
+        for variant in variants:
+            handle = None if variant == "none" else install(model, mode=variant)
+            samples[variant] += timed_steps(model, x, tgt, STEPS, handle)
+            if handle is not None:
+                summary = handle.summary()
+                records[variant] += int(getattr(summary, "records", 0) or (summary.get("records", 0) if isinstance(summary, dict) else 0))
+                handle.remove()
+    base = statistics.median(samples["none"])
+    print(f"\nMoE layer: {E} experts, hidden {H}, ffn {FFN}, {TOKENS} tokens x {MB} micro-batches, bf16, "
+          f"Megatron-FSDP; {ROUNDS}x{STEPS} steps per variant ({time.time() - t0:.1f} s)")
+    print(f"{'variant':<10}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}{'share vs none':>16}")
+    for variant in variants:
+        s = sorted(samples[variant])
+        med = statistics.median(s)
+        share = (med - base) / base * 100
+        print(f"{variant:<10}{med:>12.3f}{s[len(s) // 10]:>10.3f}{s[(9 * len(s)) // 10]:>10.3f}{share:>15.2f}%")
+    spread = (max(samples["none"]) - min(samples["none"])) / base * 100
+    print(f"no-hook spread (max-min)/median: {spread:.2f}%  records kept: {records}")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
