@@ -91,12 +91,41 @@ def children(node: cst.CSTNode) -> list[cst.CSTNode]:
     return out
 
 
+# type -> is it a CSTNode subclass. `isinstance(x, cst.CSTNode)` goes through ABCMeta (CSTNode is an ABC),
+# which costs more than the rest of the walk; a dict lookup on the exact type does not.
+_IS_NODE: dict[type, bool] = {tuple: False, list: False, str: False, type(None): False}
+
+
+def _is_node_type(kind: type) -> bool:
+    flag = _IS_NODE.get(kind)
+    if flag is None:
+        flag = _IS_NODE[kind] = issubclass(kind, cst.CSTNode)
+    return flag
+
+
+def _semantic_kids(node: cst.CSTNode, fields: tuple[str, ...]) -> list[cst.CSTNode]:
+    kids: list[cst.CSTNode] = []
+    is_node = _IS_NODE.get
+    for name in fields:
+        value = getattr(node, name)
+        kind = value.__class__
+        if kind is tuple or kind is list:
+            for item in value:
+                flag = is_node(item.__class__)
+                if flag or (flag is None and _is_node_type(item.__class__)):
+                    kids.append(item)
+        else:
+            flag = is_node(kind)
+            if flag or (flag is None and _is_node_type(kind)):
+                kids.append(value)
+    return kids
+
+
 def walk(root: cst.CSTNode, prune: Callable[[cst.CSTNode], bool] | None = None) -> Iterator[cst.CSTNode]:
     """Every non-trivia node under `root` (included) in pre-order/source order. `prune(node)` true: do not
     descend below `node` (it is still yielded)."""
     stack = [root]
     get = _SEMANTIC_FIELDS.get
-    node_type = cst.CSTNode
     while stack:
         node = stack.pop()
         yield node
@@ -105,13 +134,7 @@ def walk(root: cst.CSTNode, prune: Callable[[cst.CSTNode], bool] | None = None) 
         fields = get(type(node))
         if fields is None:
             fields = _semantic_fields(type(node))
-        kids: list[cst.CSTNode] = []
-        for name in fields:
-            value = getattr(node, name)
-            if isinstance(value, node_type):
-                kids.append(value)
-            elif type(value) is tuple or type(value) is list:
-                kids.extend(item for item in value if isinstance(item, node_type))
+        kids = _semantic_kids(node, fields)
         kids.reverse()
         stack.extend(kids)
 
@@ -136,20 +159,13 @@ def index(root: cst.CSTNode) -> tuple[list[cst.CSTNode], dict[cst.CSTNode, cst.C
     parents: dict[cst.CSTNode, cst.CSTNode] = {}
     stack = [root]
     get = _SEMANTIC_FIELDS.get
-    node_type = cst.CSTNode
     while stack:
         node = stack.pop()
         order.append(node)
         fields = get(type(node))
         if fields is None:
             fields = _semantic_fields(type(node))
-        kids: list[cst.CSTNode] = []
-        for name in fields:
-            value = getattr(node, name)
-            if isinstance(value, node_type):
-                kids.append(value)
-            elif type(value) is tuple or type(value) is list:
-                kids.extend(item for item in value if isinstance(item, node_type))
+        kids = _semantic_kids(node, fields)
         for kid in kids:
             parents[kid] = node
         kids.reverse()
