@@ -87,6 +87,20 @@ def analyze_source(
     return result
 
 
+def _positions(ctx: FileContext) -> LazyPositions:
+    """Positions that generate only the top-level statements holding reported nodes."""
+
+    def top_level(node: cst.CSTNode) -> cst.CSTNode | None:
+        current: cst.CSTNode | None = node
+        for ancestor in ctx.ancestors(node):
+            if isinstance(ancestor, cst.Module):
+                return current
+            current = ancestor
+        return None  # the module itself, or a node outside the index (trivia)
+
+    return LazyPositions(ctx.module, ctx.source, top_level)
+
+
 def _statement_line(ctx: FileContext, node: cst.CSTNode, positions: LazyPositions) -> int | None:
     for candidate in (node, *ctx.ancestors(node)):
         if isinstance(candidate, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
@@ -97,7 +111,7 @@ def _statement_line(ctx: FileContext, node: cst.CSTNode, positions: LazyPosition
 def _to_findings(
     ctx: FileContext, collected: Iterable[tuple[Rule, Violation]], severities: dict[str, Severity]
 ) -> tuple[list[Finding], dict[str, Fix], dict[str, tuple[int, ...]]]:
-    positions = LazyPositions(ctx.module)
+    positions = _positions(ctx)
     lines = ctx.source.splitlines()
     seen: dict[tuple[str, str], int] = {}
     findings: list[Finding] = []
@@ -167,7 +181,7 @@ def fix_source(
             return current
         ctx = FileContext(path=path, source=current, module=parsed, settings=settings or RuleSettings())
         suppressions = parse_suppressions(current) if honor_suppressions else None
-        positions = LazyPositions(parsed)
+        positions = _positions(ctx)
         fixes = []
         for rule in active:
             for violation in rule.check(ctx):

@@ -10,8 +10,10 @@ identical to PositionProvider's (tests/analyzer/test_positions.py compares them 
 
 from __future__ import annotations
 
+import ast
 import re
 from bisect import bisect_right
+from collections.abc import Callable
 
 import libcst as cst
 from libcst._nodes.internal import CodegenState
@@ -94,35 +96,111 @@ class _Recorder:
 
 
 class LazyPositions:
-    """`positions[node]` -> CodeRange (1-based lines, 0-based columns), like libcst's PositionProvider."""
+    """`positions[node]` -> CodeRange (1-based lines, 0-based columns), like libcst's PositionProvider.
 
-    def __init__(self, module: cst.Module) -> None:
+    Given the source and a way to find a node's top-level statement, only the top-level statements that
+    hold asked-for nodes are generated: each one's start offset comes from Python's own (C) parser, via
+    `ast` line numbers of top-level statements, and is verified by comparing the generated text with the
+    source at that offset. Anything that does not verify falls back to one full pass over the module.
+    """
+
+    def __init__(
+        self,
+        module: cst.Module,
+        source: str | None = None,
+        top_level: Callable[[cst.CSTNode], cst.CSTNode | None] | None = None,
+    ) -> None:
         self._module = module
-        self._ranges: dict[cst.CSTNode, tuple[int, int]] | None = None
+        self._source = source
+        self._top_level = top_level
+        self._ranges: dict[cst.CSTNode, tuple[int, int]] = {}
         self._spans: dict[cst.CSTNode, tuple[int, int]] = {}
-        self._line_starts: list[int] = []
+        self._line_starts: list[int] | None = None
+        self._full = False
+        self._starts: dict[cst.CSTNode, int] | None = None
+        self._generated: set[cst.CSTNode] = set()
 
-    def _compute(self) -> dict[cst.CSTNode, tuple[int, int]]:
+    def _compute(self) -> None:
+        """One codegen pass over the whole module."""
         state = _OffsetState(self._module.default_indent, self._module.default_newline)
         self._module._codegen(state)
         code = "".join(state.tokens) + state.popped
         self._line_starts = [0, *(m.end() for m in _NEWLINE.finditer(code))]
         self._ranges = state.ranges
         self._spans = state.spans
-        return state.ranges
+        self._full = True
+
+    def _statement_starts(self) -> dict[cst.CSTNode, int]:
+        """Source offset where each top-level statement's text (its leading blank and comment lines
+        included) begins, from `ast` line numbers; empty when `ast` cannot parse the source."""
+        if self._starts is not None:
+            return self._starts
+        self._starts = {}
+        assert self._source is not None
+        try:
+            tree = ast.parse(self._source)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return self._starts
+        if self._line_starts is None:
+            self._line_starts = [0, *(m.end() for m in _NEWLINE.finditer(self._source))]
+        body, index = tree.body, 0
+        for statement in self._module.body:
+            if index >= len(body):
+                return self._starts
+            first = body[index]
+            if isinstance(statement, cst.SimpleStatementLine):
+                index += len(statement.body)
+            else:
+                index += 1
+            line = first.lineno
+            blank = len(statement.leading_lines)
+            decorators = getattr(statement, "decorators", ())
+            if decorators and getattr(first, "decorator_list", None):
+                line = first.decorator_list[0].lineno  # the first `@` line
+                blank += len(decorators[0].leading_lines)
+            if 1 <= line - blank <= len(self._line_starts):
+                self._starts[statement] = self._line_starts[line - blank - 1]
+        return self._starts
+
+    def _generate_statement(self, statement: cst.CSTNode) -> bool:
+        start = self._statement_starts().get(statement)
+        if start is None:
+            return False
+        state = _OffsetState(self._module.default_indent, self._module.default_newline)
+        state.offset = start
+        statement._codegen(state)
+        code = "".join(state.tokens)
+        assert self._source is not None
+        if self._source[start : start + len(code)] != code:
+            return False  # the ast-derived start was wrong: never guess
+        self._ranges.update(state.ranges)
+        self._spans.update(state.spans)
+        self._generated.add(statement)
+        return True
+
+    def _ensure(self, node: cst.CSTNode) -> None:
+        if node in self._ranges or self._full:
+            return
+        if self._source is not None and self._top_level is not None:
+            statement = self._top_level(node)
+            if statement is not None and statement not in self._generated:
+                self._generate_statement(statement)
+                if node in self._ranges:
+                    return
+        self._compute()
 
     def _position(self, offset: int) -> CodePosition:
+        assert self._line_starts is not None
         index = bisect_right(self._line_starts, offset) - 1
         return CodePosition(index + 1, offset - self._line_starts[index])
 
     def __getitem__(self, node: cst.CSTNode) -> CodeRange:
-        ranges = self._ranges if self._ranges is not None else self._compute()
-        start, end = ranges[node]
+        self._ensure(node)
+        start, end = self._ranges[node]
         return CodeRange(self._position(start), self._position(end))
 
     def span(self, node: cst.CSTNode) -> tuple[int, int]:
         """Character offsets [start, end) of all the text `node` generates (whitespace it owns included):
         exactly what replacing the node can change."""
-        if self._ranges is None:
-            self._compute()
+        self._ensure(node)
         return self._spans[node]
