@@ -77,3 +77,8 @@ def test_duplicates_and_missing_paths(tree: Path) -> None:
     assert _rel(discover([tree / "a.py", tree, tree / "a.py"], tree)).count("a.py") == 1
     with pytest.raises(FileNotFoundError):
         discover([tree / "nope.py"], tree)
+
+
+def test_scanning_a_subdirectory_honours_the_repository_gitignore(tree: Path, write_tree) -> None:  # type: ignore[no-untyped-def]
+    write_tree(tree, {"pkg/x_gen.py": "", "pkg/build/y.py": "", "pkg/sub/keep_gen.py": ""})
+    assert _rel(discover([tree / "pkg"], tree)) == ["pkg/mod.py", "pkg/sub/keep_gen.py"]
