@@ -10,6 +10,7 @@ OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 MG=/tmp/mg SVC=/tmp/svc
+[ -d /tmp/site/transformer_engine ] || { echo "TE is not installed in /tmp/site: run the recipe first"; exit 3; }
 if [ ! -d $MG/maingrad/analyzer ]; then
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --target $MG . > "$OUT/pip-mg.log" 2>&1 \
     || tail -5 "$OUT/pip-mg.log"
