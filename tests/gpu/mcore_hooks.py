@@ -365,6 +365,7 @@ def sync_checks(args, model, handle, micro_inputs, target) -> dict:
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = original
     torch.cuda.synchronize()
+    handle.step()  # a step boundary: micro-batch counters restart
     ours = [e for e in events if any(f.startswith(HOOKS_DIR) or "/maingrad/hooks/" in f for f in e)]
     report["warn_step_sync_events"] = len(events)
     report["warn_step_sync_events_in_hooks"] = len(ours)
@@ -389,6 +390,7 @@ def sync_checks(args, model, handle, micro_inputs, target) -> dict:
     loss.backward()
     model.finish_grad_sync()
     torch.cuda.synchronize()
+    handle.step()
     after = handle.summary()
     report["error_mode_hook_calls"] = calls
     report["error_mode_new_internal_errors"] = after.internal_errors - errors_before

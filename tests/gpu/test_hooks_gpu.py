@@ -98,7 +98,7 @@ def test_te_op_fuser_fails_without_hooks_and_accumulates_with_them() -> None:
         assert rel < 1e-3, (i, rel)
     summary = handle.summary()
     assert summary.ok and summary.modules[0].exposed == G  # exposed once, then present
-    records = [r for r in handle.records() if r["param"] == "weight0"]
+    records = [r for r in handle.records() if r["param"] == "0.weight0"]  # op 0 of the Sequential
     # TE sets grad_added_to_main_grad after its fused wgrad; without Megatron-FSDP nothing resets it
     assert [(r["phase"], r["grad_added_to_main_grad"]) for r in records] == [
         ("forward", False),
