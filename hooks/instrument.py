@@ -202,11 +202,15 @@ class Site:
             # relnames in the same (grouped) order the hooks walk the slots
             prefix = {s.name: s.relname for s in spec.slots if s.owner is owner}
             self.relnames.extend(prefix[name] for name in names[key])
-        self.groups = tuple(
-            (o, itemgetter(*names[id(o)]), len(names[id(o)]) == 1, tuple(names[id(o)]), tuple(wgrads[id(o)]))
-            for o in owners
-        )
-        self.fast = tuple((o, getter, single) for o, getter, single, _, _ in self.groups)
+        groups = []
+        base = 0
+        for o in owners:
+            n = len(names[id(o)])
+            group = (o, itemgetter(*names[id(o)]), n == 1, tuple(names[id(o)]), tuple(wgrads[id(o)]))
+            groups.append((*group, tuple(range(base, base + n))))
+            base += n
+        self.groups = tuple(groups)
+        self.fast = tuple((o, getter, single) for o, getter, single, *_ in self.groups)
         self.nslots = len(self.relnames)
         self.checked_ptr = [0] * self.nslots  # data_ptr whose element count was last found right, per slot
         self.fwd_calls = 0
@@ -266,7 +270,7 @@ class Site:
 
     def _current_ptrs(self) -> list[int]:
         ptrs = []
-        for owner, _, _, names, _ in self.groups:
+        for owner, _, _, names, *_ in self.groups:
             params = owner._parameters
             for name in names:
                 mg = getattr(params.get(name), "main_grad", None)
@@ -402,16 +406,50 @@ class Site:
             next_seq = rt.ring.next_seq
             site = self.index
         checked = self.checked_ptr
-        i = -1
-        for owner, getter, single, names, wgrads in self.groups:
+        strict_kind = self.strict
+        for owner, getter, single, names, wgrads, indices in self.groups:
             params = owner._parameters
             try:
                 found = (getter(params),) if single else getter(params)
             except KeyError:  # a parameter was deleted: look the others up one by one
                 found = tuple(params.get(name) for name in names)
-            for p, wgrad in zip(found, wgrads, strict=True):
-                i += 1
+            for i, p, wgrad in zip(indices, found, wgrads, strict=True):
                 try:
+                    mg = getattr(p, "main_grad", _MISSING)
+                    ow = getattr(p, "overwrite_main_grad", None)
+                    gam = getattr(p, "grad_added_to_main_grad", None)
+                    # Fast path: a tensor buffer already validated, bool flags, nothing to change or flag.
+                    if (
+                        mg.__class__ is _Tensor
+                        and (ow is None or ow.__class__ is bool)
+                        and (gam is None or gam.__class__ is bool)
+                        and not force
+                    ):
+                        ptr = mg.data_ptr()
+                        if (ptr == checked[i] or not wgrad) and (
+                            last is None
+                            or not (
+                                ow is True
+                                and mb > 0
+                                and wgrad
+                                and _overwrites_accumulation(p, fwd_ptrs[i] if fwd_ptrs else 0, last[i])
+                            )
+                        ):
+                            if last is None:
+                                if ptrs is not None:
+                                    ptrs[i] = ptr
+                            else:
+                                last[i] = ptr
+                            if record:
+                                append(
+                                    (
+                                        next_seq(), t, step, mb, phase, site, i, True, False, mg.dtype,
+                                        mg.shape, mg.device, ptr, ow, gam, hasattr(p, "__fsdp_param__"),
+                                        A_NONE, None,
+                                    )
+                                )  # fmt: skip
+                            continue
+                    # Slow path: anything missing, odd, to expose, to force, or to flag.
                     if p is None:
                         anomalies[PARAM_MISSING] = anomalies.get(PARAM_MISSING, 0) + 1
                         if record:
@@ -420,63 +458,49 @@ class Site:
                                 + (None, None, False, A_NONE, PARAM_MISSING)
                             )
                         continue
-                    mg = getattr(p, "main_grad", _MISSING)
                     action = A_NONE
                     anomaly = None
-                    if fix and (mg is None or mg is _MISSING) and (self.strict or not _refreshable(p)):
-                        get_main_grad = getattr(p, "get_main_grad", None)
-                        if get_main_grad is not None:
-                            try:
-                                new = get_main_grad()
-                            except Exception:  # noqa: BLE001 - recorded as an anomaly, TE raises its own
-                                anomaly = GET_FAILED
-                            else:
-                                if isinstance(new, _Tensor):
-                                    p.main_grad = mg = new
-                                    action = A_EXPOSED
-                                    self.exposed += 1
-                                else:
-                                    anomaly = GET_FAILED
-                    ow = getattr(p, "overwrite_main_grad", _MISSING)
-                    if force and ow is not _MISSING:
+                    if mg.__class__ is _Tensor:
+                        is_tensor = True
+                    else:
+                        if fix and (mg is None or mg is _MISSING) and (strict_kind or not _refreshable(p)):
+                            mg, action, anomaly = self._expose(p, mg)
+                        is_tensor = isinstance(mg, _Tensor)
+                    if force and hasattr(p, "overwrite_main_grad"):
                         p.overwrite_main_grad = ow = True
-                    is_tensor = type(mg) is _Tensor or isinstance(mg, _Tensor)
+                    if (ow is not None and ow.__class__ is not bool) or (
+                        gam is not None and gam.__class__ is not bool
+                    ):
+                        if ow.__class__ is not bool:
+                            ow = None
+                        if gam.__class__ is not bool:
+                            gam = None
+                        if wgrad and anomaly is None:
+                            anomaly = FLAG
                     if is_tensor:
                         ptr = mg.data_ptr()
                         if ptrs is not None and action == A_NONE:
                             ptrs[i] = ptr
-                    else:
-                        ptr = None
-                    gam = getattr(p, "grad_added_to_main_grad", None)
-                    bad_flag = False
-                    if ow is _MISSING:
-                        ow = None
-                    elif ow is not None and type(ow) is not bool:
-                        ow, bad_flag = None, True
-                    if gam is not None and type(gam) is not bool:
-                        gam, bad_flag = None, True
-                    if wgrad and anomaly is None:
-                        if not is_tensor:
-                            if strict or not _refreshable(p):
-                                anomaly = MISSING if mg is _MISSING else NONE if mg is None else NOT_TENSOR
-                        else:
-                            if ptr != checked[i]:  # a buffer not validated yet: compare sizes once
-                                if mg.numel() != p.numel() and not _is_distributed(p):
-                                    anomaly = SHAPE
-                                else:
-                                    checked[i] = ptr
+                        if last is not None:
                             if (
-                                anomaly is None
-                                and last is not None
-                                and ow is True
+                                ow is True
                                 and mb > 0
+                                and wgrad
                                 and _overwrites_accumulation(p, fwd_ptrs[i] if fwd_ptrs else 0, last[i])
                             ):
                                 anomaly = OVERWRITE
-                        if anomaly is None and bad_flag:
-                            anomaly = FLAG
-                    if last is not None:
-                        last[i] = ptr if is_tensor else 0
+                            last[i] = ptr
+                        if ptr != checked[i] and wgrad:  # a buffer not validated yet: compare sizes once
+                            if mg.numel() != p.numel() and not _is_distributed(p):
+                                anomaly = SHAPE
+                            else:
+                                checked[i] = ptr
+                    else:
+                        ptr = None
+                        if last is not None:
+                            last[i] = 0
+                        if wgrad and anomaly in (None, FLAG) and (strict or not _refreshable(p)):
+                            anomaly = MISSING if mg is _MISSING else NONE if mg is None else NOT_TENSOR
                     if anomaly is not None:
                         anomalies[anomaly] = anomalies.get(anomaly, 0) + 1
                         if check and wgrad and anomaly in FATAL_ANOMALIES:
@@ -485,22 +509,25 @@ class Site:
                                 problems = []
                             problems.append((self.relnames[i], anomaly, p))
                     if record:
-                        fsdp = hasattr(p, "__fsdp_param__")
                         if is_tensor:
                             append(
-                                (next_seq(), t, step, mb, phase, site, i, True, False, mg.dtype, mg.shape)
-                                + (mg.device, ptr, ow, gam, fsdp, action, anomaly)
-                            )
+                                (
+                                    next_seq(), t, step, mb, phase, site, i, True, False, mg.dtype, mg.shape,
+                                    mg.device, ptr, ow, gam, hasattr(p, "__fsdp_param__"), action, anomaly,
+                                )
+                            )  # fmt: skip
                         else:
                             has = mg is not _MISSING
                             append(
-                                (next_seq(), t, step, mb, phase, site, i, has, (mg is None) if has else None)
-                                + (None, None, None, None, ow, gam, fsdp, action, anomaly)
-                            )
+                                (
+                                    next_seq(), t, step, mb, phase, site, i, has, (mg is None) if has else None,
+                                    None, None, None, None, ow, gam, hasattr(p, "__fsdp_param__"), action, anomaly,
+                                )
+                            )  # fmt: skip
                 except Exception as exc:  # noqa: BLE001 - one bad parameter must not hide the others
                     rt.hook_error(self, phase, mb, i, exc)
         if record:
-            self.records += i + 1
+            self.records += self.nslots
         if problems:
             self.raised += 1
             relname, problem, param = problems[0]
@@ -513,6 +540,21 @@ class Site:
                 others=len(problems) - 1,
             )
         return ptrs
+
+    def _expose(self, p: Any, mg: Any) -> tuple[Any, int, str | None]:
+        """fix mode: main_grad from get_main_grad() -> (main_grad, action, anomaly)."""
+        get_main_grad = getattr(p, "get_main_grad", None)
+        if get_main_grad is None:
+            return mg, A_NONE, None
+        try:
+            new = get_main_grad()
+        except Exception:  # noqa: BLE001 - recorded as an anomaly; TE raises its own error
+            return mg, A_NONE, GET_FAILED
+        if not isinstance(new, _Tensor):
+            return mg, A_NONE, GET_FAILED
+        p.main_grad = new
+        self.exposed += 1
+        return new, A_EXPOSED, None
 
     def reset_step(self) -> None:
         self.mb = 0
