@@ -266,7 +266,10 @@ class Site:
             self.relax_once = _self_exposing(type(module))
         except Exception as exc:  # noqa: BLE001
             rt.hook_error(self, FORWARD, self.mb, -1, exc)
-        return self.pre_forward(module, args)
+        try:
+            return self.pre_forward(module, args)
+        finally:
+            self.relax_once = False
 
     def _current_ptrs(self) -> list[int]:
         ptrs = []
@@ -294,7 +297,7 @@ class Site:
             n = self.fwd_calls = self.fwd_calls + 1
             self.mb = mb + 1
             every = rt.sample_every
-            record = every > 0 and (n - 1) % every == 0
+            record = every == 1 or (every > 1 and (n - 1) % every == 0)
             if not record:
                 if rt.observe:
                     self.pending = None
@@ -314,8 +317,6 @@ class Site:
         except Exception as exc:  # noqa: BLE001 - observe/fix must never break training
             self.pending = None
             rt.hook_error(self, FORWARD, mb, -1, exc)
-        finally:
-            self.relax_once = False
         return None
 
     def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
