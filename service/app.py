@@ -50,7 +50,7 @@ def bootstrap_admin(db: Database, settings: Settings) -> str | None:
 
 
 def prepare_database(settings: Settings) -> Database:
-    db = Database.from_settings(settings)
+    db = Database.from_settings(settings, server=True)
     migrate.upgrade(db.engine)
     return db
 

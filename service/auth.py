@@ -18,7 +18,7 @@ from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.models import Project, Token, utcnow
 from maingrad.service.problems import ProblemError
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 log = logging.getLogger("maingrad.service")
@@ -43,6 +43,19 @@ class Principal:
         return f"token:{self.token_id}:{self.name}" if self.token_id is not None else "admin:env"
 
 
+# Built once: these run on every request (statement construction costs more than the query on SQLite).
+_TOKEN_BY_HASH = select(
+    Token.id,
+    Token.name,
+    Token.project_id,
+    Token.scopes,
+    Token.expires_at,
+    Token.revoked_at,
+    Token.last_used_at,
+).where(Token.token_hash == bindparam("h"))
+_PROJECT_BY_NAME = select(Project).where(Project.name == bindparam("n"))
+
+
 def unauthorized(code: str, detail: str) -> ProblemError:
     return ProblemError(401, code, detail, headers=_BEARER)
 
@@ -58,9 +71,7 @@ def authenticate(session: Session, settings: Settings, token: str | None) -> Pri
             return Principal(None, "bootstrap-admin", None, tokens.expand_scopes({"admin"}))
     if not tokens.well_formed(token):
         raise unauthorized("invalid_token", "the token is malformed (bad prefix, length or checksum)")
-    row = session.execute(
-        select(Token).where(Token.token_hash == tokens.hash_token(token, key))
-    ).scalar_one_or_none()
+    row = session.connection().execute(_TOKEN_BY_HASH, {"h": tokens.hash_token(token, key)}).first()
     if row is None:
         raise unauthorized("invalid_token", "unknown token")
     now = utcnow()
@@ -69,7 +80,8 @@ def authenticate(session: Session, settings: Settings, token: str | None) -> Pri
     if row.expires_at is not None and row.expires_at <= now:
         raise unauthorized("token_expired", "the token has expired")
     stale = row.last_used_at is None or now - row.last_used_at > _TOUCH_EVERY
-    return Principal(row.id, row.name, row.project_id, tokens.expand_scopes(row.scope_set), stale)
+    scopes = frozenset(x for x in row.scopes.split(",") if x)
+    return Principal(row.id, row.name, row.project_id, tokens.expand_scopes(scopes), stale)
 
 
 def touch(db: Database, principal: Principal) -> None:
@@ -86,7 +98,7 @@ def touch(db: Database, principal: Principal) -> None:
 
 
 def authorize(session: Session, principal: Principal, project_name: str, scope: str) -> Project:
-    project = session.execute(select(Project).where(Project.name == project_name)).scalar_one_or_none()
+    project = session.execute(_PROJECT_BY_NAME, {"n": project_name}).scalar_one_or_none()
     if project is None or (principal.project_id is not None and principal.project_id != project.id):
         raise ProblemError(404, "project_not_found", f"no project {project_name!r} visible to this token")
     if scope not in principal.scopes:

@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     public_dashboard: bool = False
     sqlite_busy_timeout_ms: int = Field(30_000, ge=0)
     db_pool_size: int = Field(10, ge=1)
+    db_pool_pre_ping: bool = False
     idempotency_ttl_hours: int = Field(24, ge=1)
     log_level: str = "info"
 

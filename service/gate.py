@@ -16,10 +16,51 @@ from maingrad.service.matching import Item, Matching, match
 from maingrad.service.models import Alert, Analysis, Finding, Project, Record, Run
 from maingrad.service.parsing import LEVEL_RANK
 from maingrad.service.reports import analysis_dict
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-_FINDING_COLUMNS = (
+SAMPLE_ANOMALIES = 20
+
+# Statements are built once at import: on SQLite, building a select() costs more than running it, and
+# the gate is the hottest read (CI polls it).
+_ANALYSIS_COLUMNS = (
+    Analysis.id,
+    Analysis.commit_sha,
+    Analysis.branch,
+    Analysis.category,
+    Analysis.format,
+    Analysis.tool_name,
+    Analysis.tool_version,
+    Analysis.content_sha256,
+    Analysis.results_count,
+    Analysis.files_scanned,
+    Analysis.execution_successful,
+    Analysis.created_at,
+)
+_ANALYSES_OF_COMMIT = (
+    select(*_ANALYSIS_COLUMNS)
+    .where(Analysis.project_id == bindparam("p"), Analysis.commit_sha == bindparam("c"))
+    .order_by(Analysis.id)
+)
+_BASELINE_COMMIT = (
+    select(Analysis.commit_sha)
+    .where(
+        Analysis.project_id == bindparam("p"),
+        Analysis.branch == bindparam("b"),
+        Analysis.commit_sha != bindparam("c"),
+        Analysis.id < bindparam("first"),
+    )
+    .order_by(Analysis.id.desc())
+    .limit(1)
+    .scalar_subquery()
+)
+# The default-branch baseline and its analyses in one round trip.
+_ANALYSES_OF_BASELINE = (
+    select(*_ANALYSIS_COLUMNS)
+    .where(Analysis.project_id == bindparam("p"), Analysis.commit_sha == _BASELINE_COMMIT)
+    .order_by(Analysis.id)
+)
+_FINDINGS = select(
     Finding.analysis_id,
     Finding.run_index,
     Finding.fingerprint,
@@ -34,25 +75,52 @@ _FINDING_COLUMNS = (
     Finding.message,
     Finding.snippet,
     Finding.suppressed,
+).where(Finding.analysis_id.in_(bindparam("ids", expanding=True)))
+# Runs of the commit with their anomaly counts (a partial index holds only anomalous records).
+_RUNS_OF_COMMIT = select(
+    Run.id,
+    Run.name,
+    Run.record_count,
+    select(func.count())
+    .where(Record.run_id == Run.id, Record.anomaly.is_not(None))
+    .correlate(Run)
+    .scalar_subquery()
+    .label("anomalies"),
+).where(Run.project_id == bindparam("p"), Run.commit_sha == bindparam("c"))
+_ANOMALY_SAMPLES = (
+    select(Record.run_id, Record.rank, Record.step, Record.phase, Record.module, Record.param, Record.anomaly)
+    .where(Record.run_id.in_(bindparam("ids", expanding=True)), Record.anomaly.is_not(None))
+    .order_by(Record.id)
+    .limit(SAMPLE_ANOMALIES)
+)
+_DISMISSED = select(Alert.fingerprint).where(
+    Alert.project_id == bindparam("p"),
+    Alert.state == "dismissed",
+    Alert.fingerprint.in_(bindparam("fps", expanding=True)),
 )
 _SEVERITY = {"info": LEVEL_RANK["note"], "warning": LEVEL_RANK["warning"], "error": LEVEL_RANK["error"]}
-SAMPLE_ANOMALIES = 20
+
+
+def _conn(session: Session) -> Any:
+    """Core statements run on the session's connection: the ORM execution layer would double their cost."""
+    return session.connection()
 
 
 @dataclass
 class GateResult:
-    """The gate's answer plus what the SARIF view needs (new findings per analysis and run)."""
+    """The gate's answer plus what the SARIF view needs (the head analyses and the new findings)."""
 
     body: dict[str, Any]
-    head: list[Analysis]
+    head_ids: list[int]
     new_rows: list[Any]
 
 
-def _load_findings(session: Session, analyses: list[Analysis]) -> list[Any]:
-    if not analyses:
-        return []
-    ids = [a.id for a in analyses]
-    return list(session.execute(select(*_FINDING_COLUMNS).where(Finding.analysis_id.in_(ids))).all())
+def _analyses(session: Session, project_id: int, commit_sha: str) -> list[Any]:
+    return list(_conn(session).execute(_ANALYSES_OF_COMMIT, {"p": project_id, "c": commit_sha}).all())
+
+
+def _load_findings(session: Session, ids: list[int]) -> list[Any]:
+    return list(_conn(session).execute(_FINDINGS, {"ids": ids}).all()) if ids else []
 
 
 def _items(rows: list[Any], categories: dict[int, str]) -> list[Item]:
@@ -95,39 +163,22 @@ def _sort_key(item: Item) -> tuple[int, str, int, str]:
 
 
 def choose_baseline(
-    session: Session, project: Project, commit_sha: str, base_sha: str | None, head: list[Analysis]
-) -> tuple[dict[str, Any], list[Analysis]]:
+    session: Session, project: Project, commit_sha: str, base_sha: str | None, head: list[Any]
+) -> tuple[dict[str, Any], list[Any]]:
     if base_sha:
-        base = list(
-            session.execute(
-                select(Analysis).where(Analysis.project_id == project.id, Analysis.commit_sha == base_sha)
-            ).scalars()
-        )
-        branch = base[0].branch if base else None
-        return {"commit_sha": base_sha, "how": "explicit", "branch": branch}, base
+        base = _analyses(session, project.id, base_sha)
+        return {"commit_sha": base_sha, "how": "explicit", "branch": base[0].branch if base else None}, base
     if head:
-        first = min(a.id for a in head)
-        row = session.execute(
-            select(Analysis.commit_sha)
-            .where(
-                Analysis.project_id == project.id,
-                Analysis.branch == project.default_branch,
-                Analysis.commit_sha != commit_sha,
-                Analysis.id < first,
-            )
-            .order_by(Analysis.id.desc())
-            .limit(1)
-        ).first()
-        if row is not None:
-            base = list(
-                session.execute(
-                    select(Analysis).where(
-                        Analysis.project_id == project.id, Analysis.commit_sha == row.commit_sha
-                    )
-                ).scalars()
-            )
+        params = {
+            "p": project.id,
+            "b": project.default_branch,
+            "c": commit_sha,
+            "first": min(a.id for a in head),
+        }
+        base = list(_conn(session).execute(_ANALYSES_OF_BASELINE, params).all())
+        if base:
             return {
-                "commit_sha": row.commit_sha,
+                "commit_sha": base[0].commit_sha,
                 "how": "default_branch",
                 "branch": project.default_branch,
             }, base
@@ -135,22 +186,15 @@ def choose_baseline(
 
 
 def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict[str, Any]:
-    runs = list(
-        session.execute(
-            select(Run.id, Run.name, Run.record_count).where(
-                Run.project_id == project.id, Run.commit_sha == commit_sha
-            )
-        ).all()
-    )
+    runs = list(_conn(session).execute(_RUNS_OF_COMMIT, {"p": project.id, "c": commit_sha}).all())
     if not runs:
         return {"runs": [], "records": 0, "anomalies": 0, "samples": []}
     ids = [r.id for r in runs]
     names = {r.id: r.name for r in runs}
-    anomalous = select(Record).where(Record.run_id.in_(ids), Record.anomaly.is_not(None))
-    count = session.execute(select(func.count()).select_from(anomalous.subquery())).scalar_one()
+    count = sum(int(r.anomalies) for r in runs)
     samples = []
     if count:
-        for rec in session.execute(anomalous.order_by(Record.id).limit(SAMPLE_ANOMALIES)).scalars():
+        for rec in _conn(session).execute(_ANOMALY_SAMPLES, {"ids": ids}).all():
             samples.append(
                 {
                     "run": names[rec.run_id],
@@ -173,13 +217,7 @@ def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict
 def compute_gate(
     session: Session, settings: Settings, project: Project, commit_sha: str, base_sha: str | None = None
 ) -> GateResult:
-    head = list(
-        session.execute(
-            select(Analysis)
-            .where(Analysis.project_id == project.id, Analysis.commit_sha == commit_sha)
-            .order_by(Analysis.id)
-        ).scalars()
-    )
+    head = _analyses(session, project.id, commit_sha)
     baseline, base = choose_baseline(session, project, commit_sha, base_sha, head)
     runtime = runtime_summary(session, project, commit_sha)
     policy = {
@@ -190,11 +228,13 @@ def compute_gate(
 
     categories = {a.id: a.category for a in head}
     base_categories = {a.id: a.category for a in base}
-    head_rows = _load_findings(session, head)
-    # Only categories present in the head are compared: a category the head did not upload is not "fixed".
-    head_cats = set(categories.values())
-    base_all, base = base, [a for a in base if a.category in head_cats]
-    base_rows = _load_findings(session, base)
+    # One query for both sides' findings.
+    base_all = base
+    base = [a for a in base_all if a.category in set(categories.values())]
+    head_ids, base_ids = set(categories), {a.id for a in base}
+    rows = _load_findings(session, sorted(head_ids | base_ids))
+    head_rows = [r for r in rows if r.analysis_id in head_ids]
+    base_rows = [r for r in rows if r.analysis_id in base_ids]
     matching: Matching = match(
         _items(head_rows, categories), _items(base_rows, base_categories), settings.match_line_window
     )
@@ -204,18 +244,15 @@ def compute_gate(
     dismissed_fps: set[str] = set()
     if new_fps:
         dismissed_fps = set(
-            session.execute(
-                select(Alert.fingerprint).where(
-                    Alert.project_id == project.id, Alert.state == "dismissed", Alert.fingerprint.in_(new_fps)
-                )
-            ).scalars()
+            _conn(session).execute(_DISMISSED, {"p": project.id, "fps": sorted(new_fps)}).scalars()
         )
     new_sorted = sorted(matching.new, key=_sort_key)
     failing = [
         i
         for i in new_sorted
-        if LEVEL_RANK.get(i.ref.level, 1) >= threshold and i.fingerprint not in dismissed_fps
-    ]  # type: ignore[union-attr]
+        if LEVEL_RANK.get(i.ref.level, 1) >= threshold  # type: ignore[union-attr]
+        and i.fingerprint not in dismissed_fps
+    ]
 
     conditions = [
         {
@@ -282,16 +319,16 @@ def compute_gate(
         "truncated": max(len(matching.new), len(matching.unchanged), len(matching.fixed)) > limit,
         "runtime": runtime,
     }
-    return GateResult(body=body, head=head, new_rows=[i.ref for i in new_sorted])
+    return GateResult(body=body, head_ids=[a.id for a in head], new_rows=[i.ref for i in new_sorted])
 
 
 def _status(
-    head: list[Analysis],
+    head: list[Any],
     base_sha: str | None,
-    base: list[Analysis],
+    base: list[Any],
     runtime: dict[str, Any],
     conditions: list[dict[str, Any]],
-    failed_tools: list[Analysis],
+    failed_tools: list[Any],
 ) -> tuple[str, str | None]:
     if not head and not runtime["runs"]:
         return "pending", "no analysis or runtime records for this commit yet"

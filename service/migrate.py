@@ -32,7 +32,9 @@ def current_revision(engine: Engine) -> str | None:
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Bring the database to `revision` (an empty database gets the whole schema)."""
     cfg = alembic_config()
-    with engine.begin() as conn:
+    # Several workers or replicas may start at once: SQLite takes its write lock up front (BEGIN
+    # IMMEDIATE), PostgreSQL an advisory lock; the second migrator then finds the schema current.
+    with engine.execution_options(sqlite_begin="IMMEDIATE").begin() as conn:
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_ID})
         cfg.attributes["connection"] = conn

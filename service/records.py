@@ -8,9 +8,9 @@ so nothing the hooks add later is lost. Aggregates are computed on read, off the
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from maingrad.service import fastjson
 from maingrad.service.db import Database
 from maingrad.service.dialect import insert_for, note_commit, with_retries
 from maingrad.service.models import Project, Record, Run, utcnow
@@ -22,105 +22,93 @@ from sqlalchemy.orm import Session
 PHASES = frozenset({"forward", "backward"})
 ACTIONS = frozenset({"none", "exposed", "raised", "error"})
 _ANOMALOUS_ACTIONS = frozenset({"raised", "error"})
-_INT = int
 
 
 def _bad(line: int, detail: str) -> ProblemError:
     return ProblemError(422, "invalid_record", f"line {line}: {detail}", line=line)
 
 
-def _is_int(v: Any) -> bool:
-    return type(v) is _INT
+# Column order of the tuples parse_batch returns (run_id is prepended at insert time).
+COLUMNS = (
+    "run_id", "record_key", "rank", "step", "microbatch", "phase", "module", "param",
+    "has_main_grad", "main_grad_is_none", "action", "anomaly", "t_ns", "raw",
+)  # fmt: skip
 
 
-def _opt_bool(rec: dict[str, Any], key: str, line: int) -> bool | None:
-    v = rec.get(key)
-    if v is None or v is True or v is False:
-        return v
-    raise _bad(line, f"{key!r} must be a boolean or null")
+def _load_lines(lines: list[tuple[int, str]]) -> list[Any]:
+    out = []
+    for lineno, line in lines:
+        try:
+            out.append(fastjson.loads(line))
+        except (fastjson.DecodeError, RecursionError) as exc:
+            raise _bad(lineno, f"not JSON: {exc}") from None
+    return out
 
 
-def parse_batch(body: bytes, run_name: str, max_records: int) -> tuple[list[dict[str, Any]], str | None]:
-    """Validated rows for the records table and the batch's commit (from the records), or 422."""
+def parse_batch(body: bytes, run_name: str, max_records: int) -> tuple[list[tuple[Any, ...]], str | None]:
+    """Validated rows (tuples in COLUMNS order, without run_id) and the batch's commit, or 422/413."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProblemError(422, "invalid_encoding", f"body is not UTF-8: {exc}") from None
-    rows: list[dict[str, Any]] = []
+    lines = [(n, line) for n, raw in enumerate(text.split("\n"), start=1) if (line := raw.strip())]
+    if len(lines) > max_records:
+        raise ProblemError(
+            413, "too_many_records", f"a batch holds at most {max_records} records", limit=max_records
+        )
+    records = _load_lines(lines)
+    rows: list[tuple[Any, ...]] = []
     commit: str | None = None
-    loads = json.loads
-    for lineno, raw_line in enumerate(text.split("\n"), start=1):
-        line = raw_line.strip()
-        if not line:
-            continue
-        if len(rows) >= max_records:
-            raise ProblemError(
-                413, "too_many_records", f"a batch holds at most {max_records} records", limit=max_records
-            )
-        try:
-            rec = loads(line)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise _bad(lineno, f"not JSON: {exc}") from None
-        if "\\u0000" in line:  # an escaped NUL: PostgreSQL text cannot hold it in the indexed columns
-            rec = without_nul(rec)
+    seen_commit: Any = None
+    for (lineno, line), rec in zip(lines, records, strict=True):
         if type(rec) is not dict:
             raise _bad(lineno, "a record must be a JSON object")
-        if rec.get("schema", 1) != 1:
-            raise _bad(lineno, f"unsupported record schema {rec.get('schema')!r} (expected 1)")
-        rid = rec.get("id")
+        if "\\u0000" in line:  # an escaped NUL: PostgreSQL text cannot hold it in the indexed columns
+            rec = without_nul(rec)
+        get = rec.get
+        if get("schema", 1) != 1:
+            raise _bad(lineno, f"unsupported record schema {get('schema')!r} (expected 1)")
+        rid = get("id")
         if type(rid) is not str or not 0 < len(rid) <= 255:
             raise _bad(lineno, "'id' must be a non-empty string of at most 255 characters")
-        run = rec.get("run")
-        if run is not None and str(run) != run_name:
+        run = get("run")
+        if run is not None and run != run_name and str(run) != run_name:
             raise _bad(lineno, f"record belongs to run {run!r}, not {run_name!r}")
-        rank, step, mb, t_ns = rec.get("rank"), rec.get("step"), rec.get("microbatch"), rec.get("t_ns")
-        if not _is_int(rank) or rank < 0:
+        rank, step, mb, t_ns = get("rank"), get("step"), get("microbatch"), get("t_ns")
+        if type(rank) is not int or rank < 0:
             raise _bad(lineno, "'rank' must be a non-negative integer")
-        if not _is_int(step) or not -(2**62) < step < 2**62:
+        if type(step) is not int or not -(2**62) < step < 2**62:
             raise _bad(lineno, "'step' must be an integer")
-        if mb is not None and (not _is_int(mb) or not -(2**31) < mb < 2**31):
+        if mb is not None and (type(mb) is not int or not -(2**31) < mb < 2**31):
             raise _bad(lineno, "'microbatch' must be an integer or null")
-        if t_ns is not None and (not _is_int(t_ns) or not -(2**63) <= t_ns < 2**63):
+        if t_ns is not None and (type(t_ns) is not int or not -(2**63) <= t_ns < 2**63):
             raise _bad(lineno, "'t_ns' must be a 64-bit integer or null")
-        phase, action = rec.get("phase"), rec.get("action", "none")
+        phase, action = get("phase"), get("action", "none")
         if phase not in PHASES:
             raise _bad(lineno, "'phase' must be 'forward' or 'backward'")
         if action not in ACTIONS:
             raise _bad(lineno, f"'action' must be one of {sorted(ACTIONS)}")
-        module, param = rec.get("module", ""), rec.get("param", "")
+        module, param = get("module", ""), get("param", "")
         if type(module) is not str or type(param) is not str:
             raise _bad(lineno, "'module' and 'param' must be strings")
-        anomaly = rec.get("anomaly")
+        has, is_none = get("has_main_grad"), get("main_grad_is_none")
+        if has is not None and has is not True and has is not False:
+            raise _bad(lineno, "'has_main_grad' must be a boolean or null")
+        if is_none is not None and is_none is not True and is_none is not False:
+            raise _bad(lineno, "'main_grad_is_none' must be a boolean or null")
+        anomaly = get("anomaly")
         if anomaly is not None and type(anomaly) is not str:
             raise _bad(lineno, "'anomaly' must be a string or null")
         if anomaly is None and action in _ANOMALOUS_ACTIONS:
             anomaly = f"action:{action}"
-        rec_commit = rec.get("commit")
-        if rec_commit is not None:
+        rec_commit = get("commit")
+        if rec_commit is not None and rec_commit != seen_commit:
             if type(rec_commit) is not str or not rec_commit:
                 raise _bad(lineno, "'commit' must be a non-empty string or null")
-            rec_commit = rec_commit.lower()
-            if commit is None:
-                commit = rec_commit
-            elif rec_commit != commit:
-                raise _bad(lineno, f"records of one batch name two commits ({commit}, {rec_commit})")
-        rows.append(
-            {
-                "record_key": rid,
-                "rank": rank,
-                "step": step,
-                "microbatch": mb,
-                "phase": phase,
-                "module": module,
-                "param": param,
-                "has_main_grad": _opt_bool(rec, "has_main_grad", lineno),
-                "main_grad_is_none": _opt_bool(rec, "main_grad_is_none", lineno),
-                "action": action,
-                "anomaly": anomaly,
-                "t_ns": t_ns,
-                "raw": line,
-            }
-        )
+            if commit is not None and rec_commit.lower() != commit:
+                raise _bad(lineno, f"records of one batch name two commits ({commit}, {rec_commit.lower()})")
+            seen_commit, commit = rec_commit, rec_commit.lower()
+        rows.append((rid, rank, step, mb, phase, module, param, has, is_none, action, anomaly, t_ns, line))
     return rows, commit
 
 
@@ -139,9 +127,7 @@ def ingest(
             run = _get_or_create_run(session, project, run_name, commit)
             inserted = 0
             if rows:
-                for row in rows:
-                    row["run_id"] = run.id
-                inserted = _insert_rows(session, rows)
+                inserted = _insert_rows(session, run.id, rows)
                 session.execute(
                     update(Run)
                     .where(Run.id == run.id)
@@ -158,15 +144,37 @@ def ingest(
     return with_retries(attempt)
 
 
-def _insert_rows(session: Session, rows: list[dict[str, Any]]) -> int:
-    """Bulk insert, skipping record ids already stored; returns how many rows were new."""
-    stmt = insert_for(session, Record).on_conflict_do_nothing(index_elements=["run_id", "record_key"])
+_SQLITE_INSERT = (
+    f"INSERT INTO records ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)}) "
+    "ON CONFLICT (run_id, record_key) DO NOTHING"
+)
+_PG_STAGE = (
+    "CREATE TEMP TABLE IF NOT EXISTS records_in (run_id integer, record_key text, rank integer, step bigint, "
+    "microbatch integer, phase text, module text, param text, has_main_grad boolean, main_grad_is_none boolean, "
+    "action text, anomaly text, t_ns bigint, raw text) ON COMMIT DELETE ROWS"
+)
+_PG_MERGE = (
+    f"INSERT INTO records ({', '.join(COLUMNS)}) SELECT {', '.join(COLUMNS)} FROM records_in "
+    "ON CONFLICT (run_id, record_key) DO NOTHING"
+)
+
+
+def _insert_rows(session: Session, run_id: int, rows: list[tuple[Any, ...]]) -> int:
+    """Bulk insert straight through the driver, skipping record ids already stored; returns how many
+    rows were new. SQLite: one executemany. PostgreSQL: COPY into a per-connection staging table, then
+    one INSERT ... SELECT ... ON CONFLICT DO NOTHING (exact count, ~10x faster than row inserts)."""
     conn = session.connection()
     if conn.dialect.name == "sqlite":
-        return max(conn.execute(stmt, rows).rowcount, 0)  # executemany: rowcount sums the inserts
-    # psycopg's executemany has no summed rowcount: RETURNING (batched as multi-row VALUES by
-    # SQLAlchemy's insertmanyvalues) yields exactly the rows that were new.
-    return len(conn.execute(stmt.returning(Record.__table__.c.id), rows).all())
+        cursor = conn.connection.driver_connection.cursor()  # same connection, same transaction
+        cursor.executemany(_SQLITE_INSERT, [(run_id, *row) for row in rows])
+        return max(cursor.rowcount, 0)  # executemany: the sum of the rows inserted
+    cursor = conn.connection.driver_connection.cursor()
+    cursor.execute(_PG_STAGE)
+    with cursor.copy(f"COPY records_in ({', '.join(COLUMNS)}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row((run_id, *row))
+    cursor.execute(_PG_MERGE)
+    return max(cursor.rowcount, 0)
 
 
 def _get_or_create_run(session: Session, project: Project, name: str, commit: str | None) -> Run:

@@ -168,6 +168,7 @@ class Server:
     database_url: str
     workdir: Path
     env_extra: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 

@@ -23,8 +23,14 @@ ENV["MAINGRAD_SECRET"] = SECRET
 
 
 def mg(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "maingrad.cli.main", *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "maingrad.cli.main", *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def analyze(name: str, out: Path) -> dict:  # type: ignore[type-arg]
@@ -46,7 +52,9 @@ def test_megatron_018_fails_and_019_fixes_it(tmp_path: Path) -> None:
         r18 = analyze("megatron-core-0.18.2", tmp_path / "r18.json")
         mg001 = {(f["path"], f["fingerprint"]) for f in r18["findings"] if f["rule"] == "MG001"}
         assert any(path.endswith("transformer/moe/experts.py") for path, _ in mg001), r18["findings"]
-        up = mg("upload", str(tmp_path / "r18.json"), *remote, "--commit", old, "--branch", "main", cwd=tmp_path)
+        up = mg(
+            "upload", str(tmp_path / "r18.json"), *remote, "--commit", old, "--branch", "main", cwd=tmp_path
+        )
         assert up.returncode == 0, up.stderr
         gate = mg("gate", *remote, "--commit", old, "--format", "json", cwd=tmp_path)
         body = json.loads(gate.stdout)
@@ -55,7 +63,9 @@ def test_megatron_018_fails_and_019_fixes_it(tmp_path: Path) -> None:
         assert {("megatron/core/transformer/moe/experts.py", "MG001")} <= failing
 
         analyze("megatron-core-0.19.2", tmp_path / "r19.json")
-        up = mg("upload", str(tmp_path / "r19.json"), *remote, "--commit", new, "--branch", "main", cwd=tmp_path)
+        up = mg(
+            "upload", str(tmp_path / "r19.json"), *remote, "--commit", new, "--branch", "main", cwd=tmp_path
+        )
         assert up.returncode == 0, up.stderr
         gate = mg("gate", *remote, "--commit", new, "--format", "json", cwd=tmp_path)
         body = json.loads(gate.stdout)

@@ -1,18 +1,40 @@
-"""The CI gate and its SARIF (only the new results)."""
+"""The CI gate and its SARIF (only the new results).
+
+The gate is the hottest read (every CI job polls it), so its handler does authentication, authorization,
+the computation and JSON encoding in one trip to the thread pool and one database session, and returns
+the encoded body directly (the schema is still published; schemathesis checks responses against it).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
-from maingrad.service.api.deps import ReadAccess, SessionDep, SettingsDep
+from fastapi import APIRouter, Request, Security
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials
+from maingrad.service import auth, fastjson
+from maingrad.service.api.deps import ProjectName, ReadAccess, SessionDep, SettingsDep, bearer
 from maingrad.service.api.params import CommitQuery, OptionalCommitQuery
 from maingrad.service.gate import compute_gate
+from maingrad.service.models import Analysis
 from maingrad.service.sarif_out import new_results_sarif
 from maingrad.service.schemas import GateOut
+from sqlalchemy import select
 
 router = APIRouter(tags=["gate"])
+
+
+def _gate_body(
+    state: Any, project_name: str, token: str | None, commit_sha: str, base_sha: str | None
+) -> bytes:
+    db, settings = state.db, state.settings
+    with db.read() as session:
+        principal = auth.authenticate(session, settings, token)
+        project = auth.authorize(session, principal, project_name, "read")
+        body = compute_gate(session, settings, project, commit_sha, base_sha).body
+    auth.touch(db, principal)
+    return fastjson.dumps(body)
 
 
 @router.get(
@@ -23,17 +45,23 @@ router = APIRouter(tags=["gate"])
     "given, else the latest analysis on the project's default branch uploaded before this commit's, else none "
     "(every finding is new). Recomputed on every read.",
 )
-def gate(
-    access: ReadAccess,
-    session: SessionDep,
-    settings: SettingsDep,
+async def gate(
+    request: Request,
+    project: ProjectName,
     commit_sha: CommitQuery,
     base_sha: OptionalCommitQuery = None,
-) -> dict[str, Any]:
-    result = compute_gate(
-        session, settings, access.project, commit_sha.lower(), base_sha.lower() if base_sha else None
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None,
+) -> Response:
+    token = credentials.credentials if credentials is not None else None
+    body = await run_in_threadpool(
+        _gate_body,
+        request.app.state,
+        project,
+        token,
+        commit_sha.lower(),
+        base_sha.lower() if base_sha else None,
     )
-    return result.body
+    return Response(body, media_type="application/json")
 
 
 @router.get(
@@ -52,6 +80,11 @@ def gate_sarif(
     result = compute_gate(
         session, settings, access.project, commit_sha.lower(), base_sha.lower() if base_sha else None
     )
+    head = list(
+        session.execute(
+            select(Analysis).where(Analysis.id.in_(result.head_ids)).order_by(Analysis.id)
+        ).scalars()
+    )
     return JSONResponse(
-        new_results_sarif(session, result.head, result.new_rows), media_type="application/sarif+json"
+        new_results_sarif(session, head, result.new_rows), media_type="application/sarif+json"
     )

@@ -1,0 +1,295 @@
+"""Service speed on loopback: gate-query latency under open-loop load, and runtime-record ingest throughput.
+
+    python3 benchmarks/service.py [--backends sqlite,postgres] [--rates 50,100,200,400] [--duration 5]
+                                  [--batches 150] [--senders 4] [--json FILE]
+
+For each backend a real `maingrad serve` process (uvicorn, one worker, access log off) runs on a fresh
+database: a temporary SQLite file, and PostgreSQL in a fresh schema when MAINGRAD_BENCH_POSTGRES_URL or
+MAINGRAD_TEST_POSTGRES_URL is set (dropped afterwards).
+
+1. Gate latency. A project with a default-branch baseline and a feature commit (20 findings each, some new,
+   some moved, some fixed) plus a runtime run for the commit. Requests are sent open-loop at a fixed rate
+   (request i is due at t0 + i/rate, whatever happened before) for `--duration` seconds; latency is counted
+   from the moment a request was due, so a server that falls behind is charged for the queue. p50/p99 and
+   the achieved rate per offered rate.
+2. Ingest. `--senders` clients post pre-serialized NDJSON batches of 1,000 records (`--batches` in all) to
+   one run as fast as the server acknowledges them; records/s = records stored / wall time.
+
+Targets (issue 4, acceptance 7): gate p99 <= 20 ms at 200 req/s; ingest >= 50,000 records/s.
+Everything is bounded: requests = rate x duration per step, batches fixed, and a hard time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "service"))
+
+from svc_helpers import ADMIN, Server, finding, ndjson, record, report, sha  # noqa: E402
+
+HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def _pg_url() -> str | None:
+    return os.environ.get("MAINGRAD_BENCH_POSTGRES_URL") or os.environ.get("MAINGRAD_TEST_POSTGRES_URL")
+
+
+def _pg_schema(url: str) -> tuple[str, str]:
+    import psycopg
+
+    schema = f"mgbench_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}options={quote(f'-csearch_path={schema}')}", schema
+
+
+def _pg_drop(url: str, schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def seed(server: Server) -> tuple[str, str]:
+    """A project with a baseline on main and a feature commit to gate; returns (project url, head sha)."""
+    name = f"bench-{uuid.uuid4().hex[:6]}"
+    httpx.post(f"{server.url}/api/v1/projects", json={"name": name}, headers=HEADERS).raise_for_status()
+    base = f"{server.url}/api/v1/projects/{name}"
+    base_findings = [
+        finding(path=f"pkg/mod{i % 7}.py", line=10 * i, snippet=f"call_{i}(x)") for i in range(20)
+    ]
+    head_findings = base_findings[:12] + [
+        finding(path=f"pkg/mod{i % 7}.py", line=10 * i + 1, snippet=f"call_{i}(y)") for i in range(12, 16)
+    ]
+    head_findings += [
+        finding(rule="MG003", path=f"pkg/new{i}.py", line=i, snippet=f"if p{i}.main_grad:") for i in range(4)
+    ]
+    for sha_, branch, findings in (
+        (sha("base"), "main", base_findings),
+        (sha("head"), "feature", head_findings),
+    ):
+        r = httpx.post(
+            f"{base}/reports",
+            params={"commit_sha": sha_, "branch": branch},
+            content=json.dumps(report(*findings)),
+            headers=HEADERS,
+        )
+        r.raise_for_status()
+    recs = [record("gate-run", i, commit=sha("head")) for i in range(2_000)]
+    httpx.post(
+        f"{base}/runs/gate-run/records", content=ndjson(recs), headers=HEADERS, timeout=60
+    ).raise_for_status()
+    return base, sha("head")
+
+
+class _Conn:
+    """A bare keep-alive HTTP/1.1 connection: the load generator shares the machine's two cores with the
+    server, so it must cost far less per request than the server does (httpx costs about as much)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> _Conn:
+        return cls(*await asyncio.open_connection(host, port))
+
+    async def get(self, request: bytes) -> int:
+        self.writer.write(request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        await self.reader.readexactly(length)
+        return status
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def _open_loop(url: str, params: dict[str, str], rate: float, duration: float) -> dict[str, float]:
+    n = max(1, int(rate * duration))
+    parsed = httpx.URL(url).copy_merge_params(params)
+    request = (
+        f"GET {parsed.raw_path.decode()} HTTP/1.1\r\nHost: {parsed.host}:{parsed.port}\r\n"
+        f"Authorization: {HEADERS['Authorization']}\r\nAccept: application/json\r\n\r\n"
+    ).encode()
+    idle: list[_Conn] = [await _Conn.open(parsed.host, parsed.port) for _ in range(32)]
+    for conn in idle[:8]:  # warm up
+        assert await conn.get(request) == 200
+    latencies: list[float] = []
+    errors = 0
+    t0 = time.perf_counter() + 0.05
+
+    async def one(i: int) -> None:
+        nonlocal errors
+        due = t0 + i / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        conn = idle.pop() if idle else await _Conn.open(parsed.host, parsed.port)
+        try:
+            ok = await conn.get(request) == 200
+            idle.append(conn)
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            ok = False
+            conn.close()
+        if ok:
+            latencies.append(time.perf_counter() - due)
+        else:
+            errors += 1
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    elapsed = time.perf_counter() - t0
+    for conn in idle:
+        conn.close()
+    latencies.sort()
+    return {
+        "offered_rps": rate,
+        "requests": n,
+        "achieved_rps": n / elapsed,
+        "p50_ms": 1000 * statistics.median(latencies) if latencies else float("nan"),
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+        if latencies
+        else float("nan"),
+        "errors": errors,
+    }
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop  # accurate timers: the schedule, not the client's wake-up jitter, sets "due"
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def gate_latency(base: str, head: str, rates: list[float], duration: float) -> list[dict[str, Any]]:
+    """Gate latency per offered rate, next to /healthz at the same rate: the floor of this client, the
+    HTTP stack and the machine's load at that moment (measured in the same run)."""
+    url = f"{base}/gate"
+    check = httpx.get(url, params={"commit_sha": head}, headers=HEADERS).json()
+    assert check["status"] == "fail" and check["summary"]["new"] > 0, check["summary"]
+    health = base.split("/api/")[0] + "/healthz"
+    out = []
+    for rate in rates:
+        out.append({"endpoint": "gate", **_run(_open_loop(url, {"commit_sha": head}, rate, duration))})
+        out.append({"endpoint": "healthz", **_run(_open_loop(health, {}, rate, duration))})
+    return out
+
+
+def ingest(base: str, batches: int, senders: int, batch_size: int = 1_000) -> dict[str, float]:
+    run = f"ingest-{uuid.uuid4().hex[:6]}"
+    bodies = [ndjson([record(run, b * batch_size + i) for i in range(batch_size)]) for b in range(batches)]
+    url = f"{base}/runs/{run}/records"
+    with httpx.Client(headers=HEADERS, timeout=60) as warm:  # create the run outside the timed part
+        warm.post(url, content=ndjson([record(run, 10**9)])).raise_for_status()
+    queue = list(range(batches))
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def sender() -> None:
+        with httpx.Client(headers={**HEADERS, "Content-Type": "application/x-ndjson"}, timeout=120) as c:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    b = queue.pop()
+                r = c.post(url, content=bodies[b])
+                if r.status_code != 200 or r.json()["inserted"] != batch_size:
+                    errors.append(f"{r.status_code} {r.text[:200]}")
+
+    threads = [threading.Thread(target=sender) for _ in range(senders)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    stored = httpx.get(f"{base}/runs/{run}", headers=HEADERS, timeout=120).json()["record_count"] - 1
+    if errors:
+        raise RuntimeError(f"ingest errors: {errors[:3]}")
+    assert stored == batches * batch_size, stored
+    return {"records": stored, "seconds": elapsed, "records_per_s": stored / elapsed, "senders": senders}
+
+
+def bench_backend(name: str, url: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    server = Server(url, workdir, args=["--workers", str(args.workers)]).start()
+    try:
+        base, head = seed(server)
+        gate = gate_latency(base, head, args.rates, args.duration)
+        ing = ingest(base, args.batches, args.senders)
+    finally:
+        server.stop()
+    return {"backend": name, "workers": args.workers, "gate": gate, "ingest": ing}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backends", default="sqlite,postgres")
+    parser.add_argument("--rates", default="50,100,200,400", help="offered gate requests per second")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per offered rate")
+    parser.add_argument("--batches", type=int, default=150, help="ingest batches of 1,000 records")
+    parser.add_argument("--senders", type=int, default=4, help="concurrent ingest clients")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="uvicorn worker processes")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    args.rates = [float(r) for r in args.rates.split(",")]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in args.backends.split(","):
+            if backend == "sqlite":
+                results.append(bench_backend("sqlite", f"sqlite:///{tmp}/bench.db", Path(tmp), args))
+            elif backend == "postgres":
+                pg = _pg_url()
+                if not pg:
+                    print("postgres: skipped (set MAINGRAD_BENCH_POSTGRES_URL or MAINGRAD_TEST_POSTGRES_URL)")
+                    continue
+                url, schema = _pg_schema(pg)
+                try:
+                    results.append(bench_backend("postgres", url, Path(tmp), args))
+                finally:
+                    _pg_drop(pg, schema)
+    print("\nGate latency (open loop; target p99 <= 20 ms at 200 req/s)\n")
+    print("| backend | workers | endpoint | offered req/s | achieved req/s | p50 ms | p99 ms | errors |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for res in results:
+        for g in res["gate"]:
+            print(
+                f"| {res['backend']} | {res['workers']} | {g['endpoint']} | {g['offered_rps']:.0f} | "
+                f"{g['achieved_rps']:.0f} | {g['p50_ms']:.1f} | {g['p99_ms']:.1f} | {g['errors']} |"
+            )
+    print("\nRecord ingest (batches of 1,000; target >= 50,000 records/s)\n")
+    print("| backend | workers | senders | records | seconds | records/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for res in results:
+        i = res["ingest"]
+        print(
+            f"| {res['backend']} | {res['workers']} | {i['senders']} | {i['records']} | {i['seconds']:.2f} | "
+            f"{i['records_per_s']:,.0f} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
