@@ -45,7 +45,8 @@ def force_overwrite_true(param: torch.Tensor) -> bool:
     """Upstream 0.19's second step: `overwrite_main_grad = True` where the attribute exists. True if set."""
     if getattr(param, "overwrite_main_grad", _MISSING) is _MISSING:
         return False
-    param.overwrite_main_grad = True
+    # Opt-in reproduction of upstream's forced overwrite (policy "force_true"); the default keeps the wrapper's.
+    param.overwrite_main_grad = True  # maingrad: ignore[MG006]
     return True
 
 

@@ -467,8 +467,8 @@ class Site:
                         if fix and (mg is None or mg is _MISSING) and (strict_kind or not _refreshable(p)):
                             mg, action, anomaly = self._expose(p, mg)
                         is_tensor = isinstance(mg, _Tensor)
-                    if force and hasattr(p, "overwrite_main_grad"):
-                        p.overwrite_main_grad = ow = True
+                    if force and hasattr(p, "overwrite_main_grad"):  # opt-in policy "force_true"
+                        p.overwrite_main_grad = ow = True  # maingrad: ignore[MG006]
                     if (ow is not None and ow.__class__ is not bool) or (
                         gam is not None and gam.__class__ is not bool
                     ):
