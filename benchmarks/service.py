@@ -144,13 +144,15 @@ async def _open_loop(url: str, params: dict[str, str], rate: float, duration: fl
         delay = due - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        conn = idle.pop() if idle else await _Conn.open(parsed.host, parsed.port)
-        try:
-            ok = await conn.get(request) == 200
-            idle.append(conn)
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            ok = False
-            conn.close()
+        ok = False
+        for _attempt in range(2):  # a kept-alive connection the server closed meanwhile: reconnect once
+            conn = idle.pop() if idle else await _Conn.open(parsed.host, parsed.port)
+            try:
+                ok = await conn.get(request) == 200
+                idle.append(conn)
+                break
+            except (OSError, asyncio.IncompleteReadError, ValueError):
+                conn.close()
         if ok:
             latencies.append(time.perf_counter() - due)
         else:

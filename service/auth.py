@@ -12,6 +12,7 @@ import hmac
 import logging
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from maingrad.service import tokens
 from maingrad.service.config import Settings
@@ -74,6 +75,10 @@ def authenticate(session: Session, settings: Settings, token: str | None) -> Pri
     row = session.connection().execute(_TOKEN_BY_HASH, {"h": tokens.hash_token(token, key)}).first()
     if row is None:
         raise unauthorized("invalid_token", "unknown token")
+    return _principal(row)
+
+
+def _principal(row: Any) -> Principal:
     now = utcnow()
     if row.revoked_at is not None:
         raise unauthorized("token_revoked", "the token was revoked")
@@ -106,6 +111,53 @@ def authorize(session: Session, principal: Principal, project_name: str, scope: 
             403, "insufficient_scope", f"this token lacks the {scope!r} scope", required_scope=scope
         )
     return project
+
+
+_TOKEN_AND_PROJECT = (
+    select(
+        Token.id,
+        Token.name,
+        Token.project_id,
+        Token.scopes,
+        Token.expires_at,
+        Token.revoked_at,
+        Token.last_used_at,
+        Project.id.label("p_id"),
+        Project.name.label("p_name"),
+        Project.default_branch.label("p_branch"),
+        Project.created_at.label("p_created"),
+    )
+    .select_from(Token)
+    .outerjoin(Project, Project.name == bindparam("n"))
+    .where(Token.token_hash == bindparam("h"))
+)
+
+
+def resolve(
+    session: Session, settings: Settings, token: str | None, project_name: str, scope: str
+) -> tuple[Principal, Project]:
+    """authenticate() + authorize() in one query: the token and the project side by side (hot paths)."""
+    if not token or not tokens.well_formed(token.strip()):
+        principal = authenticate(session, settings, token)  # the admin token, or the right 401
+        return principal, authorize(session, principal, project_name, scope)
+    key = settings.hmac_key
+    row = (
+        session.connection()
+        .execute(_TOKEN_AND_PROJECT, {"h": tokens.hash_token(token.strip(), key), "n": project_name})
+        .first()
+    )
+    if row is None:
+        principal = authenticate(session, settings, token)  # the env admin token, or "unknown token"
+        return principal, authorize(session, principal, project_name, scope)
+    principal = _principal(row)
+    if row.p_id is None or (principal.project_id is not None and principal.project_id != row.p_id):
+        raise ProblemError(404, "project_not_found", f"no project {project_name!r} visible to this token")
+    if scope not in principal.scopes:
+        raise ProblemError(
+            403, "insufficient_scope", f"this token lacks the {scope!r} scope", required_scope=scope
+        )
+    project = Project(id=row.p_id, name=row.p_name, default_branch=row.p_branch, created_at=row.p_created)
+    return principal, project
 
 
 def require_instance_admin(principal: Principal) -> None:

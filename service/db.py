@@ -153,9 +153,17 @@ class Database:
         writer = (
             engine.execution_options(sqlite_begin="IMMEDIATE") if engine.dialect.name == "sqlite" else engine
         )
+        # PostgreSQL reads see one snapshot for the whole request (READ COMMITTED would give each query its
+        # own: a gate computed across a concurrent replacement could miss findings). SQLite's read
+        # transactions are snapshots already.
+        reader = (
+            engine.execution_options(isolation_level="REPEATABLE READ")
+            if engine.dialect.name == "postgresql"
+            else engine
+        )
         db = cls(
             engine=engine,
-            read=sessionmaker(engine, expire_on_commit=False),
+            read=sessionmaker(reader, expire_on_commit=False),
             write=sessionmaker(writer, expire_on_commit=False),
         )
         path = engine.url.database if engine.dialect.name == "sqlite" else None

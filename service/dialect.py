@@ -20,28 +20,25 @@ def insert_for(session: Session, table: Any) -> Any:
     return (postgresql.insert if name == "postgresql" else sqlite.insert)(table)
 
 
-_RETRY_PGCODES = {"40001", "40P01"}  # serialization failure, deadlock
+_RETRY_SQLSTATES = {"23505", "40001", "40P01"}  # unique violation, serialization failure, deadlock
 
 
 def retryable(exc: BaseException) -> bool:
+    """A lost race with a concurrent writer: running the whole transaction again will see its outcome."""
     if isinstance(exc, IntegrityError):
         return True
-    if isinstance(exc, OperationalError | DBAPIError):
-        code = getattr(getattr(exc, "orig", None), "sqlstate", None) or getattr(
-            getattr(exc, "orig", None), "pgcode", None
-        )
-        if code in _RETRY_PGCODES:
-            return True
-        return "database is locked" in str(exc)
-    return False
+    orig = getattr(exc, "orig", exc)  # SQLAlchemy wraps driver errors; raw-cursor paths raise them bare
+    if getattr(orig, "sqlstate", None) in _RETRY_SQLSTATES:
+        return True
+    return isinstance(exc, OperationalError | DBAPIError) and "database is locked" in str(exc)
 
 
-def with_retries(fn: Callable[[], R], attempts: int = 5) -> R:
+def with_retries(fn: Callable[[], R], attempts: int = 6) -> R:
     """Run a whole write transaction again when a concurrent writer won a race (unique key, deadlock)."""
     for attempt in range(attempts):
         try:
             return fn()
-        except (IntegrityError, OperationalError, DBAPIError) as exc:
+        except Exception as exc:
             if attempt == attempts - 1 or not retryable(exc):
                 raise
             time.sleep(0.005 * (2**attempt))

@@ -16,8 +16,8 @@ from maingrad.service.matching import Item, Matching, match
 from maingrad.service.models import Alert, Analysis, Finding, Project, Record, Run
 from maingrad.service.parsing import LEVEL_RANK
 from maingrad.service.reports import analysis_dict
-from sqlalchemy import bindparam, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import bindparam, func, or_, select
+from sqlalchemy.orm import Session, aliased
 
 SAMPLE_ANOMALIES = 20
 
@@ -37,27 +37,40 @@ _ANALYSIS_COLUMNS = (
     Analysis.execution_successful,
     Analysis.created_at,
 )
-_ANALYSES_OF_COMMIT = (
-    select(*_ANALYSIS_COLUMNS)
-    .where(Analysis.project_id == bindparam("p"), Analysis.commit_sha == bindparam("c"))
-    .order_by(Analysis.id)
+_A1, _A2 = aliased(Analysis), aliased(Analysis)
+_FIRST_HEAD = (
+    select(func.min(_A2.id))
+    .where(_A2.project_id == bindparam("p"), _A2.commit_sha == bindparam("c"))
+    .scalar_subquery()
 )
 _BASELINE_COMMIT = (
-    select(Analysis.commit_sha)
+    select(_A1.commit_sha)
     .where(
-        Analysis.project_id == bindparam("p"),
-        Analysis.branch == bindparam("b"),
-        Analysis.commit_sha != bindparam("c"),
-        Analysis.id < bindparam("first"),
+        _A1.project_id == bindparam("p"),
+        _A1.branch == bindparam("b"),
+        _A1.commit_sha != bindparam("c"),
+        _A1.id < _FIRST_HEAD,
     )
-    .order_by(Analysis.id.desc())
+    .order_by(_A1.id.desc())
     .limit(1)
     .scalar_subquery()
 )
-# The default-branch baseline and its analyses in one round trip.
-_ANALYSES_OF_BASELINE = (
+# The head's analyses and those of its default-branch baseline (the latest default-branch commit
+# analyzed before the head) in one round trip; split by commit in Python.
+_HEAD_AND_DEFAULT_BASE = (
     select(*_ANALYSIS_COLUMNS)
-    .where(Analysis.project_id == bindparam("p"), Analysis.commit_sha == _BASELINE_COMMIT)
+    .where(
+        Analysis.project_id == bindparam("p"),
+        or_(Analysis.commit_sha == bindparam("c"), Analysis.commit_sha == _BASELINE_COMMIT),
+    )
+    .order_by(Analysis.id)
+)
+# Head and an explicit baseline together.
+_HEAD_AND_EXPLICIT_BASE = (
+    select(*_ANALYSIS_COLUMNS)
+    .where(
+        Analysis.project_id == bindparam("p"), Analysis.commit_sha.in_([bindparam("c"), bindparam("base")])
+    )
     .order_by(Analysis.id)
 )
 _FINDINGS = select(
@@ -115,10 +128,6 @@ class GateResult:
     new_rows: list[Any]
 
 
-def _analyses(session: Session, project_id: int, commit_sha: str) -> list[Any]:
-    return list(_conn(session).execute(_ANALYSES_OF_COMMIT, {"p": project_id, "c": commit_sha}).all())
-
-
 def _load_findings(session: Session, ids: list[int]) -> list[Any]:
     return list(_conn(session).execute(_FINDINGS, {"ids": ids}).all()) if ids else []
 
@@ -162,27 +171,34 @@ def _sort_key(item: Item) -> tuple[int, str, int, str]:
     return (-LEVEL_RANK.get(item.ref.level, 1), item.path, item.start_line or 0, item.rule)  # type: ignore[union-attr]
 
 
-def choose_baseline(
-    session: Session, project: Project, commit_sha: str, base_sha: str | None, head: list[Any]
-) -> tuple[dict[str, Any], list[Any]]:
+def head_and_baseline(
+    session: Session, project: Project, commit_sha: str, base_sha: str | None
+) -> tuple[list[Any], dict[str, Any], list[Any]]:
+    """(head analyses, how the baseline was chosen, baseline analyses)."""
     if base_sha:
-        base = _analyses(session, project.id, base_sha)
-        return {"commit_sha": base_sha, "how": "explicit", "branch": base[0].branch if base else None}, base
-    if head:
-        params = {
-            "p": project.id,
-            "b": project.default_branch,
-            "c": commit_sha,
-            "first": min(a.id for a in head),
-        }
-        base = list(_conn(session).execute(_ANALYSES_OF_BASELINE, params).all())
-        if base:
-            return {
-                "commit_sha": base[0].commit_sha,
-                "how": "default_branch",
-                "branch": project.default_branch,
-            }, base
-    return {"commit_sha": None, "how": "none", "branch": None}, []
+        rows = (
+            _conn(session)
+            .execute(_HEAD_AND_EXPLICIT_BASE, {"p": project.id, "c": commit_sha, "base": base_sha})
+            .all()
+        )
+        head = [a for a in rows if a.commit_sha == commit_sha]
+        base = [a for a in rows if a.commit_sha == base_sha]
+        return (
+            head,
+            {"commit_sha": base_sha, "how": "explicit", "branch": base[0].branch if base else None},
+            base,
+        )
+    params = {"p": project.id, "b": project.default_branch, "c": commit_sha}
+    rows = _conn(session).execute(_HEAD_AND_DEFAULT_BASE, params).all()
+    head = [a for a in rows if a.commit_sha == commit_sha]
+    base = [a for a in rows if a.commit_sha != commit_sha]
+    if base:
+        return (
+            head,
+            {"commit_sha": base[0].commit_sha, "how": "default_branch", "branch": project.default_branch},
+            base,
+        )
+    return head, {"commit_sha": None, "how": "none", "branch": None}, []
 
 
 def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict[str, Any]:
@@ -217,8 +233,7 @@ def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict
 def compute_gate(
     session: Session, settings: Settings, project: Project, commit_sha: str, base_sha: str | None = None
 ) -> GateResult:
-    head = _analyses(session, project.id, commit_sha)
-    baseline, base = choose_baseline(session, project, commit_sha, base_sha, head)
+    head, baseline, base = head_and_baseline(session, project, commit_sha, base_sha)
     runtime = runtime_summary(session, project, commit_sha)
     policy = {
         "fail_on_severity": settings.gate_fail_severity,

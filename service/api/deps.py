@@ -64,9 +64,18 @@ ProjectName = Annotated[str, Path(description="Project name.", examples=["demo"]
 
 
 def _access(scope: str):  # type: ignore[no-untyped-def]
-    def dependency(project: ProjectName, principal: PrincipalDep, request: Request) -> Access:
-        with request.app.state.db.read() as session:  # released before the handler takes its own
-            return Access(principal, auth.authorize(session, principal, project, scope))
+    def dependency(
+        project: ProjectName,
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None,
+    ) -> Access:
+        """Token and project in one query, in a short session released before the handler takes its own."""
+        db: Database = request.app.state.db
+        token = credentials.credentials if credentials is not None else None
+        with db.read() as session:
+            principal, row = auth.resolve(session, request.app.state.settings, token, project, scope)
+        auth.touch(db, principal)
+        return Access(principal, row)
 
     dependency.__name__ = f"require_{scope}"
     return dependency

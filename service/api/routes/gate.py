@@ -30,8 +30,7 @@ def _gate_body(
 ) -> bytes:
     db, settings = state.db, state.settings
     with db.read() as session:
-        principal = auth.authenticate(session, settings, token)
-        project = auth.authorize(session, principal, project_name, "read")
+        principal, project = auth.resolve(session, settings, token, project_name, "read")
         body = compute_gate(session, settings, project, commit_sha, base_sha).body
     auth.touch(db, principal)
     return fastjson.dumps(body)
