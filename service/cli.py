@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from maingrad.service.identifiers import COMMIT_RE
+
 EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 _PROJECT_OK = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -187,6 +189,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
     commit = args.commit or detect_commit()
     if not commit:
         return _err("no commit: pass --commit (not in a git repository, no CI variable)")
+    if not COMMIT_RE.match(commit):
+        return _err(f"bad commit {commit!r}: a SHA or a revision id of letters, digits, . _ - (at most 64)")
     branch = args.branch or detect_branch()
     project = args.project or detect_project()
     client = _remote(args)
@@ -259,6 +263,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
     commit = args.commit or detect_commit()
     if not commit:
         return _err("no commit: pass --commit")
+    if not COMMIT_RE.match(commit) or (args.base and not COMMIT_RE.match(args.base)):
+        return _err("bad commit: a SHA or a revision id of letters, digits, . _ - (at most 64)")
     project = args.project or detect_project()
     client = _remote(args)
     deadline = time.monotonic() + max(args.wait, 0.0)

@@ -13,6 +13,7 @@ from typing import Any
 from maingrad.service import fastjson
 from maingrad.service.db import Database
 from maingrad.service.dialect import insert_for, note_commit, with_retries
+from maingrad.service.identifiers import COMMIT_RE
 from maingrad.service.models import Project, Record, Run, utcnow
 from maingrad.service.parsing import without_nul
 from maingrad.service.problems import ProblemError
@@ -103,8 +104,8 @@ def parse_batch(body: bytes, run_name: str, max_records: int) -> tuple[list[tupl
             anomaly = f"action:{action}"
         rec_commit = get("commit")
         if rec_commit is not None and rec_commit != seen_commit:
-            if type(rec_commit) is not str or not rec_commit:
-                raise _bad(lineno, "'commit' must be a non-empty string or null")
+            if type(rec_commit) is not str or not COMMIT_RE.match(rec_commit):
+                raise _bad(lineno, "'commit' must be a SHA or revision id (letters, digits, . _ -) or null")
             if commit is not None and rec_commit.lower() != commit:
                 raise _bad(lineno, f"records of one batch name two commits ({commit}, {rec_commit.lower()})")
             seen_commit, commit = rec_commit, rec_commit.lower()

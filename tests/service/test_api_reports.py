@@ -239,3 +239,11 @@ def test_admin_token_from_env_works_everywhere(project: ProjectCtx) -> None:
         headers={"Authorization": f"Bearer {ADMIN}"},
     )
     assert r.status_code == 201
+
+
+def test_commit_ids_other_than_shas(project: ProjectCtx) -> None:
+    r = project.upload(report(finding()), "Release-1.2_rc3")
+    assert r.status_code == 201 and r.json()["commit_sha"] == "release-1.2_rc3"
+    assert project.gate("release-1.2_rc3")["status"] == "fail"
+    for bad in ("has space", "-leading", "x" * 65, "a/b", "é"):
+        assert project.upload(report(), bad).status_code == 422, bad
