@@ -16,12 +16,22 @@ CACHE = Path(os.environ.get("MAINGRAD_TESTBED_CACHE", Path.home() / ".cache" / "
 
 # name -> (pip requirement, extra pip args)
 _PY312 = ["--python-version", "3.12", "--only-binary=:all:", "--implementation", "cp"]
-_LINUX = ["--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_24_x86_64", "--platform", "manylinux_2_17_x86_64"]
+_LINUX = [
+    "--platform",
+    "manylinux_2_28_x86_64",
+    "--platform",
+    "manylinux_2_24_x86_64",
+    "--platform",
+    "manylinux_2_17_x86_64",
+]
 TESTBEDS: dict[str, tuple[str, list[str]]] = {
     "megatron-core-0.18.2": ("megatron-core==0.18.2", _PY312 + _LINUX),
     "megatron-core-0.19.2": ("megatron-core==0.19.2", _PY312 + _LINUX),
     # 276 MB, cached: its Python sources are what users run (the 1.2 MB pure wheel lacks the pytorch part).
-    "transformer-engine-2.20.2": ("transformer-engine-cu13==2.20.2", _PY312 + ["--platform", "manylinux_2_28_x86_64"]),
+    "transformer-engine-2.20.2": (
+        "transformer-engine-cu13==2.20.2",
+        _PY312 + ["--platform", "manylinux_2_28_x86_64"],
+    ),
 }
 
 
@@ -36,7 +46,18 @@ def testbed(name: str) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     if not any(wheels.glob("*.whl")):
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), *args, requirement],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(wheels),
+                *args,
+                requirement,
+            ],
             check=True,
         )
     (wheel,) = sorted(wheels.glob("*.whl"))

@@ -134,18 +134,21 @@ def main() -> None:
             handle = None if variant == "none" else install(model, mode=variant)
             samples[variant] += timed_steps(model, x, tgt, STEPS, handle)
             if handle is not None:
-                summary = handle.summary()
-                records[variant] += int(getattr(summary, "records", 0) or (summary.get("records", 0) if isinstance(summary, dict) else 0))
+                records[variant] += sum(module.records for module in handle.summary().modules)
                 handle.remove()
     base = statistics.median(samples["none"])
-    print(f"\nMoE layer: {E} experts, hidden {H}, ffn {FFN}, {TOKENS} tokens x {MB} micro-batches, bf16, "
-          f"Megatron-FSDP; {ROUNDS}x{STEPS} steps per variant ({time.time() - t0:.1f} s)")
+    print(
+        f"\nMoE layer: {E} experts, hidden {H}, ffn {FFN}, {TOKENS} tokens x {MB} micro-batches, bf16, "
+        f"Megatron-FSDP; {ROUNDS}x{STEPS} steps per variant ({time.time() - t0:.1f} s)"
+    )
     print(f"{'variant':<10}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}{'share vs none':>16}")
     for variant in variants:
         s = sorted(samples[variant])
         med = statistics.median(s)
         share = (med - base) / base * 100
-        print(f"{variant:<10}{med:>12.3f}{s[len(s) // 10]:>10.3f}{s[(9 * len(s)) // 10]:>10.3f}{share:>15.2f}%")
+        print(
+            f"{variant:<10}{med:>12.3f}{s[len(s) // 10]:>10.3f}{s[(9 * len(s)) // 10]:>10.3f}{share:>15.2f}%"
+        )
     spread = (max(samples["none"]) - min(samples["none"])) / base * 100
     print(f"no-hook spread (max-min)/median: {spread:.2f}%  records kept: {records}")
     torch.distributed.destroy_process_group()
