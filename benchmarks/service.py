@@ -11,7 +11,10 @@ MAINGRAD_TEST_POSTGRES_URL is set (dropped afterwards).
    some moved, some fixed) plus a runtime run for the commit. Requests are sent open-loop at a fixed rate
    (request i is due at t0 + i/rate, whatever happened before) for `--duration` seconds; latency is counted
    from the moment a request was due, so a server that falls behind is charged for the queue. p50/p99 and
-   the achieved rate per offered rate.
+   the achieved rate per offered rate, next to /healthz (the floor of client, HTTP stack and machine load
+   at that moment). Polling one commit is what CI does (`maingrad gate --wait`), so answers are reused
+   between unchanged reads; the same load is then run on a server with reuse off (`gate (no reuse)`:
+   every request recomputes everything).
 2. Ingest. `--senders` clients post pre-serialized NDJSON batches of 1,000 records (`--batches` in all) to
    one run as fast as the server acknowledges them; records/s = records stored / wall time.
 
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -184,7 +188,9 @@ def _run(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
-def gate_latency(base: str, head: str, rates: list[float], duration: float) -> list[dict[str, Any]]:
+def gate_latency(
+    base: str, head: str, rates: list[float], duration: float, label: str = "gate", floor: bool = True
+) -> list[dict[str, Any]]:
     """Gate latency per offered rate, next to /healthz at the same rate: the floor of this client, the
     HTTP stack and the machine's load at that moment (measured in the same run)."""
     url = f"{base}/gate"
@@ -193,31 +199,63 @@ def gate_latency(base: str, head: str, rates: list[float], duration: float) -> l
     health = base.split("/api/")[0] + "/healthz"
     out = []
     for rate in rates:
-        out.append({"endpoint": "gate", **_run(_open_loop(url, {"commit_sha": head}, rate, duration))})
-        out.append({"endpoint": "healthz", **_run(_open_loop(health, {}, rate, duration))})
+        out.append({"endpoint": label, **_run(_open_loop(url, {"commit_sha": head}, rate, duration))})
+        if floor:
+            out.append({"endpoint": "healthz", **_run(_open_loop(health, {}, rate, duration))})
     return out
+
+
+def _post_raw(sock: socket.socket, request: bytes) -> tuple[int, bytes]:
+    """POST pre-built bytes on a kept-alive socket; returns (status, body). The client must cost next to
+    nothing (httpx spends more CPU on a 550 KB body than the server spends storing it)."""
+    sock.sendall(request)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head[9:12]), body
 
 
 def ingest(base: str, batches: int, senders: int, batch_size: int = 1_000) -> dict[str, float]:
     run = f"ingest-{uuid.uuid4().hex[:6]}"
-    bodies = [ndjson([record(run, b * batch_size + i) for i in range(batch_size)]) for b in range(batches)]
-    url = f"{base}/runs/{run}/records"
+    url = httpx.URL(f"{base}/runs/{run}/records")
     with httpx.Client(headers=HEADERS, timeout=60) as warm:  # create the run outside the timed part
-        warm.post(url, content=ndjson([record(run, 10**9)])).raise_for_status()
+        warm.post(str(url), content=ndjson([record(run, 10**9)])).raise_for_status()
+    requests = []
+    for b in range(batches):
+        body = ndjson([record(run, b * batch_size + i) for i in range(batch_size)])
+        head = (
+            f"POST {url.raw_path.decode()} HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
+            f"Authorization: {HEADERS['Authorization']}\r\nContent-Type: application/x-ndjson\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        requests.append(head + body)
     queue = list(range(batches))
     lock = threading.Lock()
     errors: list[str] = []
 
     def sender() -> None:
-        with httpx.Client(headers={**HEADERS, "Content-Type": "application/x-ndjson"}, timeout=120) as c:
+        sock = socket.create_connection((url.host, url.port))
+        try:
             while True:
                 with lock:
                     if not queue:
                         return
                     b = queue.pop()
-                r = c.post(url, content=bodies[b])
-                if r.status_code != 200 or r.json()["inserted"] != batch_size:
-                    errors.append(f"{r.status_code} {r.text[:200]}")
+                status, body = _post_raw(sock, requests[b])
+                if status != 200 or json.loads(body)["inserted"] != batch_size:
+                    errors.append(f"{status} {body[:200]!r}")
+        finally:
+            sock.close()
 
     threads = [threading.Thread(target=sender) for _ in range(senders)]
     start = time.perf_counter()
@@ -241,6 +279,16 @@ def bench_backend(name: str, url: str, workdir: Path, args: argparse.Namespace) 
         ing = ingest(base, args.batches, args.senders)
     finally:
         server.stop()
+    # The same polling with answer reuse off: every request recomputes the gate from scratch.
+    cold = Server(
+        url, workdir, args=["--workers", str(args.workers)], env_extra={"MAINGRAD_GATE_CACHE_SIZE": "0"}
+    )
+    cold.start()
+    try:
+        base, head = seed(cold)
+        gate += gate_latency(base, head, args.rates, args.duration, label="gate (no reuse)", floor=False)
+    finally:
+        cold.stop()
     return {"backend": name, "workers": args.workers, "gate": gate, "ingest": ing}
 
 
@@ -250,7 +298,7 @@ def main() -> int:
     parser.add_argument("--rates", default="50,100,200,400", help="offered gate requests per second")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per offered rate")
     parser.add_argument("--batches", type=int, default=150, help="ingest batches of 1,000 records")
-    parser.add_argument("--senders", type=int, default=4, help="concurrent ingest clients")
+    parser.add_argument("--senders", type=int, default=2, help="concurrent ingest clients")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="uvicorn worker processes")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()

@@ -126,6 +126,7 @@ _TOKEN_AND_PROJECT = (
         Project.name.label("p_name"),
         Project.default_branch.label("p_branch"),
         Project.created_at.label("p_created"),
+        Project.revision.label("p_revision"),
     )
     .select_from(Token)
     .outerjoin(Project, Project.name == bindparam("n"))
@@ -156,7 +157,13 @@ def resolve(
         raise ProblemError(
             403, "insufficient_scope", f"this token lacks the {scope!r} scope", required_scope=scope
         )
-    project = Project(id=row.p_id, name=row.p_name, default_branch=row.p_branch, created_at=row.p_created)
+    project = Project(
+        id=row.p_id,
+        name=row.p_name,
+        default_branch=row.p_branch,
+        created_at=row.p_created,
+        revision=row.p_revision,
+    )
     return principal, project
 
 

@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     max_records_body_bytes: int = Field(32 * MiB, ge=1024)
     max_records_per_batch: int = Field(10_000, ge=1)
     max_gate_findings: int = Field(1_000, ge=1)
+    # Gate answers kept per process, reused only while their inputs are unchanged (0: never reuse).
+    gate_cache_size: int = Field(512, ge=0)
 
     gate_fail_severity: str = Field("error", pattern="^(info|warning|error)$")
     gate_fail_on_runtime_anomalies: bool = True
@@ -44,6 +46,8 @@ class Settings(BaseSettings):
     db_pool_pre_ping: bool = False
     idempotency_ttl_hours: int = Field(24, ge=1)
     log_level: str = "info"
+    # sys.setswitchinterval for the server process (see app.lifespan).
+    gil_switch_interval_ms: float = Field(1.0, gt=0, le=100)
 
     @cached_property
     def hmac_key(self) -> bytes:

@@ -103,7 +103,7 @@ _RUNS_OF_COMMIT = select(
 _ANOMALY_SAMPLES = (
     select(Record.run_id, Record.rank, Record.step, Record.phase, Record.module, Record.param, Record.anomaly)
     .where(Record.run_id.in_(bindparam("ids", expanding=True)), Record.anomaly.is_not(None))
-    .order_by(Record.id)
+    .order_by(Record.step, Record.record_key)
     .limit(SAMPLE_ANOMALIES)
 )
 _DISMISSED = select(Alert.fingerprint).where(

@@ -25,3 +25,22 @@ def decode_cursor(cursor: str | None) -> int | None:
         return last_id
     except Exception:
         raise ProblemError(422, "invalid_cursor", "cursor is not one this server issued") from None
+
+
+def encode_key_cursor(last_key: str) -> str:
+    raw = json.dumps({"k": last_key}, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_key_cursor(cursor: str | None) -> str | None:
+    if not cursor:
+        return None
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        value = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
+        key = value["k"]
+        if not isinstance(key, str) or "\x00" in key:
+            raise ValueError
+        return key
+    except Exception:
+        raise ProblemError(422, "invalid_cursor", "cursor is not one this server issued") from None

@@ -14,7 +14,7 @@ from typing import Any
 
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
-from maingrad.service.dialect import insert_for, note_commit, with_retries
+from maingrad.service.dialect import bump_revision, insert_for, note_commit, with_retries
 from maingrad.service.models import Alert, Analysis, Finding, IdempotencyKey, Project, utcnow
 from maingrad.service.parsing import Limits, NormAnalysis, assign_fingerprints, parse_report
 from maingrad.service.problems import ProblemError
@@ -194,6 +194,7 @@ def _store(
             ],
         )
     _update_alerts(session, project, analysis, norm)
+    bump_revision(session, project.id)
     body = {
         **analysis_dict(analysis, project.name),
         "outcome": "replaced" if replaced_id is not None else "created",

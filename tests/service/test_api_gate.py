@@ -211,3 +211,43 @@ def test_categories_are_compared_within_themselves(project: ProjectCtx) -> None:
         "dismissed": 0,
     }
     assert gate["status"] == "pass"
+
+
+def test_reused_answers_follow_every_change(project: ProjectCtx) -> None:
+    """Answers are reused only while their inputs are unchanged: each change below shows at once."""
+    cache = project.client.app.state.gate_cache  # type: ignore[attr-defined]
+    project.upload(report(MG001), sha(200), branch="main")
+    project.upload(report(MG001, MG003), sha(201), branch="feature")
+    first = project.gate(sha(201))
+    hits = cache.hits
+    assert project.gate(sha(201)) == first and cache.hits == hits + 1  # nothing changed: reused
+    assert first["status"] == "fail" and [f["rule"] for f in first["new"]] == ["MG003"]
+
+    alert = next(
+        a
+        for a in project.client.get(project.url("/alerts"), headers=project.headers("read")).json()["items"]
+        if a["rule"] == "MG003"
+    )
+    url = project.url(f"/alerts/{alert['id']}")
+    project.client.patch(
+        url, json={"state": "dismissed", "reason": "wont_fix"}, headers=project.headers("triage")
+    )
+    assert project.gate(sha(201))["status"] == "pass"  # triage
+    project.client.patch(url, json={"state": "open"}, headers=project.headers("triage"))
+    assert project.gate(sha(201))["status"] == "fail"  # reopened
+
+    project.upload(report(MG001), sha(201), branch="feature")  # replaced by a clean report
+    assert project.gate(sha(201))["status"] == "pass"
+    recs = [record("late-run", i, commit=sha(201)) for i in range(4)]
+    project.client.post(
+        project.url("/runs/late-run/records"), content=ndjson(recs), headers=project.headers("upload")
+    )
+    assert project.gate(sha(201))["runtime"]["records"] == 4  # new records
+    bad = [record("late-run", 9, commit=sha(201), anomaly="main_grad_none")]
+    project.client.post(
+        project.url("/runs/late-run/records"), content=ndjson(bad), headers=project.headers("upload")
+    )
+    assert project.gate(sha(201))["status"] == "fail"  # a runtime anomaly
+
+    project.client.patch(project.url(), json={"default_branch": "feature"}, headers=project.headers("admin"))
+    assert project.gate(sha(201))["baseline"]["how"] == "none"  # the default branch moved

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, TriageAccess
 from maingrad.service.api.params import CursorQuery, IdPath, LimitQuery
+from maingrad.service.dialect import bump_revision
 from maingrad.service.models import Alert, AlertEvent, utcnow
 from maingrad.service.pagination import decode_cursor, encode_cursor
 from maingrad.service.problems import ProblemError
@@ -119,6 +120,7 @@ def triage_alert(alert_id: IdPath, body: AlertUpdate, access: TriageAccess, db: 
             alert.state = "open" if before == "dismissed" else before
             alert.dismissed_reason = alert.dismissed_comment = alert.dismissed_by = None
             alert.dismissed_at = None
+        bump_revision(session, access.project.id)
         session.add(
             AlertEvent(
                 alert_id=alert.id,

@@ -3,6 +3,7 @@
 The gate is the hottest read (every CI job polls it), so its handler does authentication, authorization,
 the computation and JSON encoding in one trip to the thread pool and one database session, and returns
 the encoded body directly (the schema is still published; schemathesis checks responses against it).
+An answer is reused only while everything it depends on is unchanged (gate_cache.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from fastapi import APIRouter, Request, Security
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
-from maingrad.service import auth, fastjson
+from maingrad.service import auth, fastjson, gate_cache
 from maingrad.service.api.deps import ProjectName, ReadAccess, SessionDep, SettingsDep, bearer
 from maingrad.service.api.params import CommitQuery, OptionalCommitQuery
 from maingrad.service.gate import compute_gate
@@ -28,12 +29,16 @@ router = APIRouter(tags=["gate"])
 def _gate_body(
     state: Any, project_name: str, token: str | None, commit_sha: str, base_sha: str | None
 ) -> bytes:
-    db, settings = state.db, state.settings
-    with db.read() as session:
+    db, settings, cache = state.db, state.settings, state.gate_cache
+    with db.read() as session:  # one snapshot: the version checked is the state computed from
         principal, project = auth.resolve(session, settings, token, project_name, "read")
-        body = compute_gate(session, settings, project, commit_sha, base_sha).body
+        key, current = (project.id, commit_sha, base_sha), gate_cache.version(session, project, commit_sha)
+        body = cache.get(key, current)
+        if body is None:
+            body = fastjson.dumps(compute_gate(session, settings, project, commit_sha, base_sha).body)
+            cache.put(key, current, body)
     auth.touch(db, principal)
-    return fastjson.dumps(body)
+    return body
 
 
 @router.get(

@@ -95,6 +95,7 @@ def update_project(body: ProjectUpdate, access: AdminAccess, db: DbDep) -> Proje
         if project is None:
             raise ProblemError(404, "project_not_found", "the project was deleted")
         project.default_branch = body.default_branch
+        project.revision = (project.revision or 0) + 1  # the gate's baseline may change
         session.flush()
         return project_out(project)
 

@@ -12,7 +12,7 @@ from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep
 from maingrad.service.api.params import CursorQuery, LimitQuery, OptionalCommitQuery
 from maingrad.service.bodies import decode_content, read_body
 from maingrad.service.models import Record, Run
-from maingrad.service.pagination import decode_cursor, encode_cursor
+from maingrad.service.pagination import decode_cursor, decode_key_cursor, encode_cursor, encode_key_cursor
 from maingrad.service.problems import ProblemError
 from maingrad.service.schemas import Page, RecordOut, RecordsIngested, RunDetail, RunOut, Timeline
 from sqlalchemy import select
@@ -127,20 +127,20 @@ def get_timeline(run: RunName, access: ReadAccess, session: SessionDep) -> dict[
 
 
 @router.get(
-    "/projects/{project}/runs/{run}/records", response_model=Page[RecordOut], summary="A run's raw records"
+    "/projects/{project}/runs/{run}/records",
+    response_model=Page[RecordOut],
+    summary="A run's raw records, by record id",
 )
 def list_records(
     run: RunName, access: ReadAccess, session: SessionDep, cursor: CursorQuery = None, limit: LimitQuery = 100
 ) -> dict[str, Any]:
     row = _run(session, access, run)
-    query = (
-        select(Record.id, Record.record_key, Record.raw).where(Record.run_id == row.id).order_by(Record.id)
-    )
-    after = decode_cursor(cursor)
+    query = select(Record.record_key, Record.raw).where(Record.run_id == row.id).order_by(Record.record_key)
+    after = decode_key_cursor(cursor)
     if after is not None:
-        query = query.where(Record.id > after)
+        query = query.where(Record.record_key > after)
     rows = list(session.execute(query.limit(limit + 1)).all())
-    nxt = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
+    nxt = encode_key_cursor(rows[limit - 1].record_key) if len(rows) > limit else None
     return {
         "items": [{"id": r.record_key, "record": json.loads(r.raw)} for r in rows[:limit]],
         "next_cursor": nxt,

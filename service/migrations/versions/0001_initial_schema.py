@@ -22,6 +22,7 @@ def upgrade() -> None:
         sa.Column("name", sa.String(length=100), nullable=False),
         sa.Column("default_branch", sa.String(length=255), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("revision", sa.BigInteger(), server_default=sa.text("0"), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_projects")),
         sa.UniqueConstraint("name", name=op.f("uq_projects_name")),
         sqlite_autoincrement=True,
@@ -209,7 +210,6 @@ def upgrade() -> None:
 
     op.create_table(
         "records",
-        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("run_id", sa.Integer(), nullable=False),
         sa.Column("record_key", sa.String(length=255), nullable=False),
         sa.Column("rank", sa.Integer(), nullable=False),
@@ -227,9 +227,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["run_id"], ["runs.id"], name=op.f("fk_records_run_id_runs"), ondelete="CASCADE"
         ),
-        sa.PrimaryKeyConstraint("id", name=op.f("pk_records")),
-        sa.UniqueConstraint("run_id", "record_key", name="uq_records_key"),
-        sqlite_autoincrement=True,
+        sa.PrimaryKeyConstraint("run_id", "record_key", name=op.f("pk_records")),
     )
     with op.batch_alter_table("records", schema=None) as batch_op:
         batch_op.create_index(
