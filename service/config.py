@@ -62,15 +62,27 @@ class Settings(BaseSettings):
 
 
 def load_or_create_secret(path: Path) -> str:
+    """Read the secret file, or create it atomically (several workers may start at once: the first link
+    wins and everyone reads the same value; a half-written file is never visible)."""
     try:
-        return path.read_text(encoding="utf-8").strip()
+        value = path.read_text(encoding="utf-8").strip()
+        if value:
+            return value
     except FileNotFoundError:
         pass
-    value = secrets.token_urlsafe(48)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process won the race: use its secret
-        return path.read_text(encoding="utf-8").strip()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(value + "\n")
+        handle.write(secrets.token_urlsafe(48) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    try:
+        os.link(tmp, path)  # atomic; fails when another process got there first
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    value = path.read_text(encoding="utf-8").strip()
+    if not value:
+        raise RuntimeError(f"{path} is empty: remove it or set MAINGRAD_SECRET")
     return value

@@ -202,3 +202,17 @@ def test_metrics_text_format() -> None:
     }
     assert route_template(scope) == "/api/v1/projects/{project}/runs/{run}/records"
     assert route_template({"path": "/nope"}) == "unmatched"
+
+
+def test_secret_file_is_created_once_and_private(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import concurrent.futures
+    import os
+
+    from maingrad.service.config import load_or_create_secret
+
+    path = tmp_path / "maingrad.secret"
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        values = set(pool.map(load_or_create_secret, [path] * 32))
+    assert len(values) == 1 and len(values.pop()) >= 48
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["maingrad.secret"]  # no temporary file left behind
