@@ -17,6 +17,7 @@ from typing import Any
 
 from maingrad.analyzer import __version__
 from maingrad.analyzer.fileio import atomic_write
+from maingrad.analyzer.needles import Needle
 from maingrad.analyzer.report import RuleInfo, Severity
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -33,7 +34,7 @@ class RuleMeta:
     summary: str
     help_uri: str
     docs: str
-    needles: tuple[str, ...]
+    needles: tuple[Needle, ...]
     fixable: bool
 
     def info(self, severity: Severity | None = None) -> RuleInfo:
@@ -42,7 +43,7 @@ class RuleMeta:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["severity"] = self.severity.value
-        data["needles"] = list(self.needles)
+        data["needles"] = [n if isinstance(n, str) else list(n) for n in self.needles]
         return data
 
     @classmethod
@@ -54,7 +55,7 @@ class RuleMeta:
             summary=data["summary"],
             help_uri=data["help_uri"],
             docs=data["docs"],
-            needles=tuple(data["needles"]),
+            needles=tuple(n if isinstance(n, str) else tuple(n) for n in data["needles"]),
             fixable=bool(data["fixable"]),
         )
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.positions import LazyPositions
 from maingrad.analyzer.report import Finding, ParseError, Severity, fingerprint
 from maingrad.analyzer.rules.base import Fix, Rule, Violation
@@ -35,7 +36,7 @@ class FileResult:
 
 def needed_rules(source: str, rules: Sequence[Rule]) -> list[Rule]:
     """The cheap text pre-filter: rules whose needles occur in the source."""
-    return [rule for rule in rules if any(needle in source for needle in rule.needles)]
+    return [rule for rule in rules if needles_match(rule.needles, source)]
 
 
 def parse(source: str, path: str) -> cst.Module | ParseError:

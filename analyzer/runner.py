@@ -20,6 +20,7 @@ from maingrad.analyzer.cache import ResultCache, content_hash
 from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID, RuleMeta, extra_rules_signature
 from maingrad.analyzer.discovery import SourceFile
 from maingrad.analyzer.fileio import decode_source
+from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.progress import Progress
 from maingrad.analyzer.report import Finding, ParseError, Report, Severity
 from maingrad.analyzer.suppressions import MARKER, apply_suppressions, parse_suppressions, unused_findings
@@ -85,7 +86,7 @@ class _FileRules:
         return tuple(rid for rid in self.all if rid not in dropped) if dropped else self.all
 
     def needed(self, ids: Sequence[str], text: str) -> bool:
-        return any(needle in text for rid in ids for needle in self.needles[rid])
+        return any(needles_match(self.needles[rid], text) for rid in ids)
 
 
 # Per-process analysis state (set in the parent for in-process runs; inherited or rebuilt in workers).

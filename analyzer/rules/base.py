@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import libcst as cst
 from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.needles import Needle
 from maingrad.analyzer.report import Severity
 
 DOCS_BASE_URI = "https://github.com/maingrad/maingrad/blob/main/docs/rules"
@@ -58,8 +59,9 @@ class Rule:
     summary: ClassVar[str]  # one line: what it detects
     # Markdown with the sections "What it does", "Why is this bad?", "Example", "Use instead".
     docs: ClassVar[str]
-    # The cheap text pre-filter: a file is parsed for this rule only if it contains one of these strings.
-    needles: ClassVar[tuple[str, ...]] = ("main_grad",)
+    # The cheap text pre-filter: a file is parsed for this rule only if one needle matches. A needle is a
+    # string that must occur in the file, or a tuple of strings that must all occur.
+    needles: ClassVar[tuple[Needle, ...]] = ("main_grad",)
     fixable: ClassVar[bool] = False
     VALID: ClassVar[list[Example]] = []
     INVALID: ClassVar[list[Example]] = []

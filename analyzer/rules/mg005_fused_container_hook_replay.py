@@ -692,7 +692,9 @@ class FusedContainerWithoutHookReplay(Rule):
     summary = (
         "a TE op-fuser container adopts other modules' parameters but never replays their pre-forward hooks"
     )
-    needles = ("Sequential", "OperationFuser")
+    # The container must resolve to transformer_engine.pytorch.ops: an absolute import of TE, or a relative
+    # one inside TE itself. A torch.nn.Sequential alone never qualifies.
+    needles = (("Sequential", "transformer_engine"), ("Sequential", "from ."), "OperationFuser")
     docs = """\
 ## What it does
 Finds a Transformer Engine op-fuser container (`transformer_engine.pytorch.ops.Sequential`, or an
