@@ -72,12 +72,13 @@ def floor(directory: Path, jobs: int) -> None:
     import multiprocessing
 
     from maingrad.analyzer.catalog import load_rules_metadata
+    from maingrad.analyzer.needles import needles_match
 
-    needles = {n for rule in load_rules_metadata() for n in rule.needles}
+    needles = tuple({n for rule in load_rules_metadata() for n in rule.needles})
     texts = []
     for path in sorted(directory.rglob("*.py")):
         text = path.read_bytes().decode("utf-8", errors="replace")
-        if any(n in text for n in needles):
+        if needles_match(needles, text):
             texts.append(text)
     texts.sort(key=len, reverse=True)
     if jobs > 1 and len(texts) > 1:
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             samples.setdefault("ruff F401", []).append(_time(ruff, cwd=tree)[0])
             cpu.setdefault("ruff F401", []).append(_CPU[tuple(ruff)])
             elapsed, floor_out = _time(floor_cmd)
+            if "floor parsed" not in floor_out:  # exit 1 is a finding for maingrad, a crash for the floor
+                raise RuntimeError(f"the floor script failed: {' '.join(floor_cmd)}")
             samples.setdefault("floor", []).append(elapsed)
             cpu.setdefault("floor", []).append(_CPU[tuple(floor_cmd)])
         for name, values in samples.items():
