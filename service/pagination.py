@@ -4,8 +4,29 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import Any
 
 from maingrad.service.problems import ProblemError
+from sqlalchemy import Select
+from sqlalchemy.orm import InstrumentedAttribute, Session
+
+
+def keyset_page(
+    session: Session,
+    query: Select[Any],
+    id_column: InstrumentedAttribute[int],
+    cursor: str | None,
+    limit: int,
+    *,
+    newest_first: bool,
+) -> tuple[list[Any], str | None]:
+    """One page of `query` (already ordered by `id_column` in that direction) after the cursor's id, and the
+    cursor of the next page (None at the end)."""
+    last_id = decode_cursor(cursor)
+    if last_id is not None:
+        query = query.where(id_column < last_id if newest_first else id_column > last_id)
+    rows = list(session.execute(query.limit(limit + 1)).scalars())
+    return rows[:limit], encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
 
 
 def encode_cursor(last_id: int) -> str:

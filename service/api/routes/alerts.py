@@ -9,7 +9,7 @@ from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, TriageAcces
 from maingrad.service.api.params import CursorQuery, IdPath, LimitQuery
 from maingrad.service.dialect import bump_revision
 from maingrad.service.models import Alert, AlertEvent, utcnow
-from maingrad.service.pagination import decode_cursor, encode_cursor
+from maingrad.service.pagination import keyset_page
 from maingrad.service.problems import ProblemError
 from maingrad.service.schemas import AlertDetail, AlertOut, AlertUpdate, Page
 from sqlalchemy import select
@@ -76,12 +76,8 @@ def list_alerts(
         query = query.where(Alert.state == state)
     if rule:
         query = query.where(Alert.rule == rule)
-    before = decode_cursor(cursor)
-    if before is not None:
-        query = query.where(Alert.id < before)
-    rows = list(session.execute(query.limit(limit + 1)).scalars())
-    nxt = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return {"items": [alert_out(a) for a in rows[:limit]], "next_cursor": nxt}
+    rows, nxt = keyset_page(session, query, Alert.id, cursor, limit, newest_first=True)
+    return {"items": [alert_out(a) for a in rows], "next_cursor": nxt}
 
 
 def _alert(session: Any, project_id: int, alert_id: int) -> Alert:

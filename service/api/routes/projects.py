@@ -10,7 +10,7 @@ from maingrad.service import auth
 from maingrad.service.api.deps import AdminAccess, DbDep, PrincipalDep, ReadAccess, SessionDep, SettingsDep
 from maingrad.service.api.params import CursorQuery, IdPath, LimitQuery
 from maingrad.service.models import Project, Token, utcnow
-from maingrad.service.pagination import decode_cursor, encode_cursor
+from maingrad.service.pagination import keyset_page
 from maingrad.service.problems import ProblemError
 from maingrad.service.schemas import (
     Page,
@@ -52,12 +52,8 @@ def list_projects(
     query = select(Project).order_by(Project.id)
     if principal.project_id is not None:
         query = query.where(Project.id == principal.project_id)
-    after = decode_cursor(cursor)
-    if after is not None:
-        query = query.where(Project.id > after)
-    rows = list(session.execute(query.limit(limit + 1)).scalars())
-    nxt = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return Page[ProjectOut](items=[project_out(p) for p in rows[:limit]], next_cursor=nxt)
+    rows, nxt = keyset_page(session, query, Project.id, cursor, limit, newest_first=False)
+    return Page[ProjectOut](items=[project_out(p) for p in rows], next_cursor=nxt)
 
 
 @router.post(
@@ -126,12 +122,8 @@ def list_project_tokens(
     access: AdminAccess, session: SessionDep, cursor: CursorQuery = None, limit: LimitQuery = 100
 ) -> dict[str, Any]:
     query = select(Token).where(Token.project_id == access.project.id).order_by(Token.id)
-    after = decode_cursor(cursor)
-    if after is not None:
-        query = query.where(Token.id > after)
-    rows = list(session.execute(query.limit(limit + 1)).scalars())
-    nxt = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return {"items": [token_out(t, access.project.name) for t in rows[:limit]], "next_cursor": nxt}
+    rows, nxt = keyset_page(session, query, Token.id, cursor, limit, newest_first=False)
+    return {"items": [token_out(t, access.project.name) for t in rows], "next_cursor": nxt}
 
 
 @router.delete("/projects/{project}/tokens/{token_id}", response_model=TokenOut, summary="Revoke a token")

@@ -11,7 +11,7 @@ from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep
 from maingrad.service.api.params import CommitQuery, CursorQuery, IdPath, LimitQuery, OptionalCommitQuery
 from maingrad.service.bodies import decode_content, read_body
 from maingrad.service.models import Analysis, Commit, Finding, Run
-from maingrad.service.pagination import decode_cursor, encode_cursor
+from maingrad.service.pagination import decode_cursor, encode_cursor, keyset_page
 from maingrad.service.problems import ProblemError
 from maingrad.service.reports import analysis_dict, store_report
 from maingrad.service.sarif_out import analysis_sarif
@@ -91,12 +91,8 @@ def list_analyses(
     query = select(Analysis).where(Analysis.project_id == access.project.id).order_by(Analysis.id.desc())
     if commit_sha:
         query = query.where(Analysis.commit_sha == commit_sha.lower())
-    before = decode_cursor(cursor)
-    if before is not None:
-        query = query.where(Analysis.id < before)
-    rows = list(session.execute(query.limit(limit + 1)).scalars())
-    nxt = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return {"items": [analysis_dict(a, access.project.name) for a in rows[:limit]], "next_cursor": nxt}
+    rows, nxt = keyset_page(session, query, Analysis.id, cursor, limit, newest_first=True)
+    return {"items": [analysis_dict(a, access.project.name) for a in rows], "next_cursor": nxt}
 
 
 def _analysis(session: Any, access: Any, analysis_id: int) -> Analysis:
@@ -133,11 +129,7 @@ def list_findings(
 ) -> dict[str, Any]:
     analysis = _analysis(session, access, analysis_id)
     query = select(Finding).where(Finding.analysis_id == analysis.id).order_by(Finding.id)
-    after = decode_cursor(cursor)
-    if after is not None:
-        query = query.where(Finding.id > after)
-    rows = list(session.execute(query.limit(limit + 1)).scalars())
-    nxt = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
+    rows, nxt = keyset_page(session, query, Finding.id, cursor, limit, newest_first=False)
     items = [
         {
             "fingerprint": f.fingerprint,
@@ -153,7 +145,7 @@ def list_findings(
             "snippet": f.snippet,
             "suppressed": f.suppressed,
         }
-        for f in rows[:limit]
+        for f in rows
     ]
     return {"items": items, "next_cursor": nxt}
 

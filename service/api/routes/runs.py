@@ -12,7 +12,7 @@ from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep
 from maingrad.service.api.params import CursorQuery, LimitQuery, OptionalCommitQuery
 from maingrad.service.bodies import decode_content, read_body
 from maingrad.service.models import Record, Run
-from maingrad.service.pagination import decode_cursor, decode_key_cursor, encode_cursor, encode_key_cursor
+from maingrad.service.pagination import decode_key_cursor, encode_key_cursor, keyset_page
 from maingrad.service.problems import ProblemError
 from maingrad.service.schemas import Page, RecordOut, RecordsIngested, RunDetail, RunOut, Timeline
 from sqlalchemy import select
@@ -94,12 +94,8 @@ def list_runs(
     query = select(Run).where(Run.project_id == access.project.id).order_by(Run.id.desc())
     if commit_sha:
         query = query.where(Run.commit_sha == commit_sha.lower())
-    before = decode_cursor(cursor)
-    if before is not None:
-        query = query.where(Run.id < before)
-    rows = list(session.execute(query.limit(limit + 1)).scalars())
-    nxt = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
-    return {"items": [run_out(r) for r in rows[:limit]], "next_cursor": nxt}
+    rows, nxt = keyset_page(session, query, Run.id, cursor, limit, newest_first=True)
+    return {"items": [run_out(r) for r in rows], "next_cursor": nxt}
 
 
 @router.get(
