@@ -150,6 +150,15 @@ pre-forward hook on the container just before it is returned. It never sets `ove
 MG006) and leaves DDP parameters (no `get_main_grad`) and already-exposed buffers untouched. It applies when
 every flagged op takes its flag from `self.<child>.fuse_wgrad_accumulation`; otherwise the finding explains
 the remedy.
+
+## In real code
+megatron-core 0.18.2 `TEGroupedMLP._make_fused_ops` is the bug of Megatron-LM #5209 (seen on an H200:
+`MAIN GRAD NOT FOUND` on the first forward under Megatron-FSDP). 0.19.2 fixes `TEGroupedMLP` but keeps the
+pattern in `TEFusedMLPWithGroupedLinear._make_fused_impl` (selected for dense MLPs by
+`use_grouped_gemm_for_dense_mlp` with the op fuser, any precision) and in
+`FusedSharedExpertMLP._make_fused_grouped_swiglu_ops` (MXFP8/NVFP4 only, where TE may fuse the ops into its
+CuTe grouped-MLP op, which reads `main_grad` only in backward through `get_main_grad_from_param`: latent
+there, real if the fuser falls back to the basic ops). Both are reported.
 """
 
     VALID = [
