@@ -1,8 +1,8 @@
 """Hooks' share of a training step of a realistic MoE layer on one GPU (evidence issue, run 4).
 
 megatron-core 0.19.2's fused TEGroupedMLP (op-fuser path, which exposes main_grad itself) under
-Megatron-FSDP; the same model is timed without hooks, with `maingrad.hooks` in `fix` mode and in `observe`
-mode, interleaved round by round so clock drift hits every variant alike. Each step
+Megatron-FSDP, built as tests/gpu/mcore_hooks.py builds it; the same model is timed without hooks, with
+`maingrad.hooks` in `fix` mode and in `observe` mode, interleaved round by round so clock drift hits every variant alike. Each step
 (zero_grad_buffer -> MB forward/backward -> finish_grad_sync) is timed with CUDA events; the median per
 variant is compared against the no-hook median of the same run.
 
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("NVTE_FLASH_ATTN", "0")
 os.environ.setdefault("NVTE_FUSED_ATTN", "0")
@@ -25,7 +27,6 @@ os.environ.setdefault("MASTER_PORT", "29561")
 os.environ.setdefault("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 E = int(os.environ.get("EXPERTS", "64"))
 H = int(os.environ.get("HIDDEN", "1024"))
@@ -38,60 +39,23 @@ SEQ, BATCH = TOKENS // 4, 4
 
 
 def build():
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """The MoE block of tests/gpu/mcore_hooks.py (the setup proven on the H200), at a realistic size."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+    import mcore_hooks
 
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=H,
-        num_attention_heads=8,
-        ffn_hidden_size=4 * H,
-        num_moe_experts=E,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=FFN,
-        moe_grouped_gemm=True,
-        moe_token_dispatcher_type="alltoall",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        normalization="RMSNorm",
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        gradient_accumulation_fusion=True,
-        use_transformer_engine_op_fuser=True,
+    args = mcore_hooks.parse_args(
+        [
+            "--experts",
+            str(E),
+            "--hidden",
+            str(H),
+            "--ffn",
+            str(FFN),
+            "--strategy",
+            os.environ.get("STRATEGY", "optim_grads_params"),
+        ]
     )
-    ddp = DistributedDataParallelConfig(
-        use_megatron_fsdp=True,
-        data_parallel_sharding_strategy=os.environ.get("STRATEGY", "optim_grads_params"),
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
-        use_distributed_optimizer=True,
-    )
-
-    class Net(MegatronModule):
-        def __init__(self, config):
-            super().__init__(config=config)
-            spec = get_gpt_layer_with_transformer_engine_spec(num_experts=E, moe_grouped_gemm=True)
-            self.decoder = TransformerBlock(config=config, spec=spec)
-
-        def forward(self, x):
-            out = self.decoder(hidden_states=x, attention_mask=None)
-            return out[0] if isinstance(out, tuple) else out
-
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    net = Net(cfg).cuda()
-    return FullyShardedDataParallel(config=cfg, ddp_config=ddp, module=net)
+    return mcore_hooks.build(args, fused=True, seed=0)
 
 
 def timed_steps(model, x, tgt, steps, handle=None) -> list[float]:
