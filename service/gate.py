@@ -149,7 +149,8 @@ def _items(rows: list[Any], categories: dict[int, str]) -> list[Item]:
     ]
 
 
-def _finding(row: Any, category: str, **extra: Any) -> dict[str, Any]:
+def finding_out(row: Any, category: str, **extra: Any) -> dict[str, Any]:
+    """A stored finding as the API's FindingOut (plus gate-specific extras)."""
     return {
         "fingerprint": row.fingerprint,
         "category": category,
@@ -324,13 +325,14 @@ def compute_gate(
             "dismissed": sum(1 for i in matching.new if i.fingerprint in dismissed_fps),
         },
         "new": [
-            _finding(i.ref, i.category, dismissed=i.fingerprint in dismissed_fps) for i in new_sorted[:limit]
+            finding_out(i.ref, i.category, dismissed=i.fingerprint in dismissed_fps)
+            for i in new_sorted[:limit]
         ],
         "unchanged": [
-            _finding(h.ref, h.category, match=how, base_path=b.path, base_start_line=b.start_line)
+            finding_out(h.ref, h.category, match=how, base_path=b.path, base_start_line=b.start_line)
             for h, b, how in unchanged_sorted[:limit]
         ],
-        "fixed": [_finding(i.ref, i.category) for i in fixed_sorted[:limit]],
+        "fixed": [finding_out(i.ref, i.category) for i in fixed_sorted[:limit]],
         "truncated": max(len(matching.new), len(matching.unchanged), len(matching.fixed)) > limit,
         "runtime": runtime,
     }

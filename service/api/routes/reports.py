@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep, UploadAccess
 from maingrad.service.api.params import CommitQuery, CursorQuery, IdPath, LimitQuery, OptionalCommitQuery
 from maingrad.service.bodies import decode_content, read_body
+from maingrad.service.gate import finding_out
 from maingrad.service.models import Analysis, Commit, Finding, Run
 from maingrad.service.pagination import decode_cursor, encode_cursor, keyset_page
 from maingrad.service.problems import ProblemError
@@ -130,24 +131,7 @@ def list_findings(
     analysis = _analysis(session, access, analysis_id)
     query = select(Finding).where(Finding.analysis_id == analysis.id).order_by(Finding.id)
     rows, nxt = keyset_page(session, query, Finding.id, cursor, limit, newest_first=False)
-    items = [
-        {
-            "fingerprint": f.fingerprint,
-            "category": analysis.category,
-            "rule": f.rule,
-            "level": f.level,
-            "path": f.path,
-            "start_line": f.start_line,
-            "start_column": f.start_column,
-            "end_line": f.end_line,
-            "end_column": f.end_column,
-            "message": f.message,
-            "snippet": f.snippet,
-            "suppressed": f.suppressed,
-        }
-        for f in rows
-    ]
-    return {"items": items, "next_cursor": nxt}
+    return {"items": [finding_out(f, analysis.category) for f in rows], "next_cursor": nxt}
 
 
 @router.get(
