@@ -154,11 +154,14 @@ the remedy.
 ## In real code
 megatron-core 0.18.2 `TEGroupedMLP._make_fused_ops` is the bug of Megatron-LM #5209 (seen on an H200:
 `MAIN GRAD NOT FOUND` on the first forward under Megatron-FSDP). 0.19.2 fixes `TEGroupedMLP` but keeps the
-pattern in `TEFusedMLPWithGroupedLinear._make_fused_impl` (selected for dense MLPs by
-`use_grouped_gemm_for_dense_mlp` with the op fuser, any precision) and in
-`FusedSharedExpertMLP._make_fused_grouped_swiglu_ops` (MXFP8/NVFP4 only, where TE may fuse the ops into its
-CuTe grouped-MLP op, which reads `main_grad` only in backward through `get_main_grad_from_param`: latent
-there, real if the fuser falls back to the basic ops). Both are reported.
+pattern in `TEFusedMLPWithGroupedLinear._make_fused_impl` (dense MLPs with `use_grouped_gemm_for_dense_mlp`
+and the op fuser) and in `FusedSharedExpertMLP._make_fused_grouped_swiglu_ops` (shared experts with
+`use_grouped_gemm_for_shared_expert`). Both run under an MXFP8 or NVFP4 recipe, so they need a Blackwell GPU.
+Transformer Engine 2.20.2 replaces the three ops by its CuTe grouped-MLP op, which exposes `main_grad` itself
+in backward (`get_main_grad_from_param`), only when `NVTE_CUTEDSL_FUSED_GROUPED_MLP=1` is set on an SM 10.x
+GPU with cuDNN's frontend kernels installed (`_GroupedMLP_CuTeGEMMBase.is_supported`). Neither class asks for
+that variable (0.19.2's `TEGroupedMLP` asserts it), so by default the basic `GroupedLinear.fuser_forward`
+runs and raises `MAIN GRAD NOT FOUND` under Megatron-FSDP. Both are reported.
 """
 
     VALID = [

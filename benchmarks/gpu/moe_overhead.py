@@ -38,9 +38,11 @@ STEPS = int(os.environ.get("STEPS", "5"))
 SEQ, BATCH = TOKENS // 4, 4
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+
+
 def build():
     """The MoE block of tests/gpu/mcore_hooks.py (the setup proven on the H200), at a realistic size."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
     import mcore_hooks
 
     args = mcore_hooks.parse_args(
@@ -115,6 +117,14 @@ def main() -> None:
         )
     spread = (max(samples["none"]) - min(samples["none"])) / base * 100
     print(f"no-hook spread (max-min)/median: {spread:.2f}%  records kept: {records}")
+    # No device sync from the hooks at this size either: mcore_hooks' checks (a step under "warn" with every
+    # sync's stack attributed, each hook body under "error"), in fix mode.
+    import mcore_hooks
+
+    handle = install(model, mode="fix")
+    report = mcore_hooks.sync_checks(None, model, handle, [x, torch.roll(x, shifts=1, dims=0)], tgt)
+    handle.remove()
+    print("sync checks (fix mode):", report)
     torch.distributed.destroy_process_group()
 
 

@@ -16,7 +16,8 @@ if [ ! -d $MG/maingrad/analyzer ]; then
     || tail -5 "$OUT/pip-mg.log"
 fi
 if [ -d .whl ] && [ ! -d $SVC/fastapi ]; then
-  python3 -m pip install -q --no-deps --no-index --no-compile --target $SVC .whl/*.whl > "$OUT/pip-svc.log" 2>&1 \
+  ls -R .whl | grep -c "whl$" | sed "s/^/service wheels: /"
+  python3 -m pip install -q --no-deps --no-index --no-compile --target $SVC $(find .whl -name "*.whl") > "$OUT/pip-svc.log" 2>&1 \
     || tail -5 "$OUT/pip-svc.log"
 fi
 EXPERTS=megatron/core/transformer/moe/experts.py
@@ -73,13 +74,14 @@ case "${1:-fix}" in
     python3 - "$URL" "$TOKEN" <<'PY' | tee "$OUT/runs.txt"
 import json, sys, urllib.request
 url, token = sys.argv[1:3]
-for run in ("unfixed-observe", "fixed-observe"):
-    req = urllib.request.Request(f"{url}/api/v1/projects/gpu/runs/{run}", headers={"Authorization": f"Bearer {token}"})
-    try:
-        body = json.load(urllib.request.urlopen(req))
-    except Exception as exc:  # noqa: BLE001
-        print(run, "error", exc); continue
-    print(run, json.dumps({k: body[k] for k in body if k not in ("timeline", "modules")})[:600])
+req = urllib.request.Request(f"{url}/api/v1/projects/gpu/runs?limit=20", headers={"Authorization": f"Bearer {token}"})
+try:
+    runs = json.load(urllib.request.urlopen(req))["items"]
+except Exception as exc:  # noqa: BLE001
+    runs = []
+    print("runs: error", exc)
+for run in runs:
+    print(json.dumps(run)[:700])
 PY
     ;;
   overhead)
