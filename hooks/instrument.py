@@ -73,11 +73,21 @@ def _overwrites_accumulation(param: Any, forward_ptr: int, previous_backward_ptr
     return forward_ptr != 0 and forward_ptr == previous_backward_ptr
 
 
+# Methods through which a fused container exposes main_grad itself, in its fused object's pre-forward hook:
+# megatron-core >= 0.19 TEGroupedMLP's, and the one `maingrad fix` (rule MG001) adds to older sources.
+_EXPOSING_METHODS = ("_ensure_main_grad", "_expose_main_grad_for_fused_ops")
+
+
 def _self_exposing(cls: type) -> bool:
-    """megatron-core >= 0.19 TEGroupedMLP exposes main_grad in its fused pre-forward hook (unless someone
-    replaced `_ensure_main_grad`, e.g. by a no-op lambda, to take the fix out: then it does not count)."""
-    method = getattr(cls, "_ensure_main_grad", None)
-    return callable(method) and getattr(method, "__qualname__", "").endswith("._ensure_main_grad")
+    """Does `cls` expose main_grad in its fused pre-forward hook, which runs after our container pre-hook?
+
+    A method replaced from outside (e.g. by a no-op lambda, to take the fix out) does not count.
+    """
+    for name in _EXPOSING_METHODS:
+        method = getattr(cls, name, None)
+        if callable(method) and getattr(method, "__qualname__", "").endswith(f".{name}"):
+            return True
+    return False
 
 
 def _grad_tensor(output: Any) -> torch.Tensor | None:

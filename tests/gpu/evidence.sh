@@ -17,7 +17,7 @@ if [ ! -d $MG/maingrad/analyzer ]; then
 fi
 if [ -d .whl ] && [ ! -d $SVC/fastapi ]; then
   ls -R .whl | grep -c "whl$" | sed "s/^/service wheels: /"
-  python3 -m pip install -q --no-deps --no-index --no-compile --target $SVC $(find .whl -name "*.whl") > "$OUT/pip-svc.log" 2>&1 \
+  python3 -m pip install -q --no-deps --no-index --no-compile --target $SVC $(find .whl -type f -name "*.whl") > "$OUT/pip-svc.log" 2>&1 \
     || tail -5 "$OUT/pip-svc.log"
 fi
 EXPERTS=megatron/core/transformer/moe/experts.py
@@ -34,7 +34,9 @@ fixed_tree() {
   if [ ! -d /tmp/mc18fix ]; then
     cp -r /tmp/mc18 /tmp/mc18fix
     maingrad fix /tmp/mc18fix/$EXPERTS > "$OUT/fix.log" 2>&1
-    echo "maingrad fix rc=$? ($(tail -1 "$OUT/fix.log"))"
+    local rc=$?
+    echo "maingrad fix rc=$rc ($(tail -1 "$OUT/fix.log"))"
+    [ $rc = 0 ] || { rm -rf /tmp/mc18fix; echo "maingrad fix failed: no fixed tree"; exit 4; }
   fi
 }
 case "${1:-fix}" in

@@ -309,6 +309,22 @@ class GroupedMLP019(GroupedMLP):
         self._ensure_main_grad(self.linear_fc2)
 
 
+class GroupedMLPMaingradFixed(GroupedMLP):
+    """megatron-core 0.18.2 TEGroupedMLP after `maingrad fix` (MG001): the fused pre-forward hook ends with the
+    added `_expose_main_grad_for_fused_ops`, which exposes main_grad and leaves overwrite_main_grad alone."""
+
+    def _expose_main_grad_for_fused_ops(self) -> None:
+        for linear in (self.linear_fc1, self.linear_fc2):
+            if not getattr(linear, "fuse_wgrad_accumulation", False):
+                continue
+            for param in linear.parameters(recurse=False):
+                get_main_grad = getattr(param, "get_main_grad", None)
+                if get_main_grad is not None and getattr(param, "main_grad", None) is None:
+                    param.main_grad = get_main_grad()
+
+    _ensure_main_grad_for_fused_impl = _expose_main_grad_for_fused_ops
+
+
 class MoELayer(torch.nn.Module):
     """A plain projection (not fused) feeding the experts, so ordinary parameters flow through FSDP too."""
 
@@ -317,7 +333,12 @@ class MoELayer(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(hidden, hidden)
-        mlp_class = GroupedMLP019 if version.startswith("0.19") else GroupedMLP
+        if version.startswith("0.19"):
+            mlp_class: type[GroupedMLP] = GroupedMLP019
+        elif version.endswith("+maingrad-fix"):
+            mlp_class = GroupedMLPMaingradFixed
+        else:
+            mlp_class = GroupedMLP
         self.experts = mlp_class(num_experts, hidden, ffn, **mlp_kwargs)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:

@@ -249,3 +249,37 @@ def test_observe_records_the_failure_it_does_not_prevent() -> None:
     assert handle.summary().anomalies == {"main_grad_missing": 8}
     assert {r["action"] for r in handle.records()} == {"none"}
     handle.remove()
+
+
+@pytest.mark.parametrize("version", ["0.19.2", "0.18.2+maingrad-fix"])
+def test_observe_does_not_flag_what_the_containers_own_exposure_fixes(version: str) -> None:
+    """0.19's `_ensure_main_grad` and the method `maingrad fix` adds both expose main_grad in the fused
+    object's pre-forward hook, after the container's: the first forward must not be reported as failing
+    (seen on the H200 with `maingrad fix`ed 0.18.2 before the fixer's method was recognised)."""
+    data = batches(STEPS, 2)
+    ref_grads, _ = reference_run(data)
+    model = MegatronFSDP(make_layer(version=version), "optim_grads_params")
+    handle = install(model, "observe")
+    grads, _ = fsdp_run(model, data, on_step=handle.step)
+    anomalies = handle.summary().anomalies
+    assert "main_grad_missing" not in anomalies and "main_grad_none" not in anomalies, anomalies
+    assert {r["action"] for r in handle.records()} == {"none"}
+    _assert_grads_equal(grads, ref_grads)
+    handle.remove()
+
+
+def test_observe_flags_the_fixers_method_when_it_is_taken_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    import emulators
+
+    monkeypatch.setattr(
+        emulators.GroupedMLPMaingradFixed, "_expose_main_grad_for_fused_ops", lambda self: None
+    )
+    monkeypatch.setattr(
+        emulators.GroupedMLPMaingradFixed, "_ensure_main_grad_for_fused_impl", lambda self: None
+    )
+    model = MegatronFSDP(make_layer(version="0.18.2+maingrad-fix"), "optim_grads_params")
+    handle = install(model, "observe")
+    with pytest.raises(RuntimeError, match="MAIN GRAD NOT FOUND"):
+        fsdp_run(model, batches(1, 1))
+    assert handle.summary().anomalies == {"main_grad_missing": 8}
+    handle.remove()
