@@ -1,14 +1,20 @@
 """Hooks' share of a training step of a realistic MoE layer on one GPU (evidence issue, run 4).
 
 megatron-core 0.19.2's fused TEGroupedMLP (op-fuser path, which exposes main_grad itself) under
-Megatron-FSDP, built as tests/gpu/mcore_hooks.py builds it; the same model is timed without hooks, with
-`maingrad.hooks` in `fix` mode and in `observe` mode, interleaved round by round so clock drift hits every variant alike. Each step
-(zero_grad_buffer -> MB forward/backward -> finish_grad_sync) is timed with CUDA events; the median per
-variant is compared against the no-hook median of the same run.
+Megatron-FSDP, built as tests/gpu/mcore_hooks.py builds it. Three identical models take turns step by step
+(A B C A B C ...); each round gives every model another variant (no hooks, `fix`, `observe`), so a model's
+own placement or a slow moment hits every variant alike. Each step (zero_grad_buffer -> MB forward/backward
+-> finish_grad_sync) is timed with CUDA events after one untimed step per install. Reported per variant:
+the median step, and the median of the ratios of steps taken side by side in the same tick (paired, the
+robust number on a CPU-bound, jittery step).
+
+A second, direct estimate: the hooks' own CPU time per step = their calls per step x the cost of one call of
+each installed hook body (timed on the real sites, mid-step), over the median step without hooks. Last, the
+sync checks of tests/gpu/mcore_hooks.py in fix mode.
 
 usage (GPU machine): NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 PYTHONPATH=/tmp/site:/tmp/mc19:/tmp/mg \
     python3 benchmarks/gpu/moe_overhead.py
-env: EXPERTS (64), HIDDEN (1024), FFN (1024), TOKENS (4096), MB (2), ROUNDS (6), STEPS (5 per round)
+env: EXPERTS (64), HIDDEN (1024), FFN (1024), TOKENS (4096), MB (2), ROUNDS (12), STEPS (8 per round)
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import os
 import statistics
 import sys
 import time
+import timeit
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("NVTE_FLASH_ATTN", "0")
@@ -28,101 +36,161 @@ os.environ.setdefault("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+
 E = int(os.environ.get("EXPERTS", "64"))
 H = int(os.environ.get("HIDDEN", "1024"))
 FFN = int(os.environ.get("FFN", "1024"))
 TOKENS = int(os.environ.get("TOKENS", "4096"))
 MB = int(os.environ.get("MB", "2"))
-ROUNDS = int(os.environ.get("ROUNDS", "6"))
-STEPS = int(os.environ.get("STEPS", "5"))
+ROUNDS = int(os.environ.get("ROUNDS", "12"))
+STEPS = int(os.environ.get("STEPS", "8"))
 SEQ, BATCH = TOKENS // 4, 4
+VARIANTS = ("none", "fix", "observe")
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
-
-
-def build():
+def build(seed: int):
     """The MoE block of tests/gpu/mcore_hooks.py (the setup proven on the H200), at a realistic size."""
     import mcore_hooks
 
+    strategy = os.environ.get("STRATEGY", "optim_grads_params")
     args = mcore_hooks.parse_args(
-        [
-            "--experts",
-            str(E),
-            "--hidden",
-            str(H),
-            "--ffn",
-            str(FFN),
-            "--strategy",
-            os.environ.get("STRATEGY", "optim_grads_params"),
-        ]
+        ["--experts", str(E), "--hidden", str(H), "--ffn", str(FFN), "--strategy", strategy]
     )
-    return mcore_hooks.build(args, fused=True, seed=0)
+    return mcore_hooks.build(args, fused=True, seed=seed)
 
 
-def timed_steps(model, x, tgt, steps, handle=None) -> list[float]:
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        model.zero_grad_buffer()
-        for mb in range(MB):
-            out = model(torch.roll(x, shifts=mb, dims=0) if mb else x)
-            ((out.float() - tgt.float()) ** 2).mean().backward()
-        model.finish_grad_sync()
-        end.record()
-        if handle is not None:
-            handle.step()  # flush at the step boundary, as a training loop would (outside the timed hooks)
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+def step(model, x, tgt) -> None:
+    model.zero_grad_buffer()
+    for mb in range(MB):
+        out = model(torch.roll(x, shifts=mb, dims=0) if mb else x)
+        ((out.float() - tgt.float()) ** 2).mean().backward()
+    model.finish_grad_sync()
+
+
+def timed_step(model, x, tgt) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step(model, x, tgt)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def compare(models, x, tgt) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
+    """Step times per variant, paired ratios (variant / none of the same tick), hook calls per step."""
+    from maingrad.hooks import install
+
+    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    paired: dict[str, list[float]] = {v: [] for v in VARIANTS[1:]}
+    calls = {v: 0 for v in VARIANTS[1:]}
+    for r in range(ROUNDS):
+        variant_of = [VARIANTS[(i + r) % 3] for i in range(3)]  # model i runs variant_of[i] this round
+        handles = {}
+        for model, variant in zip(models, variant_of, strict=True):
+            if variant != "none":
+                handles[variant] = install(model, mode=variant)
+            step(model, x, tgt)  # untimed: the first call after install moves container hooks in place
+            if variant in handles:
+                handles[variant].step()
+        for _ in range(STEPS):
+            tick = {}
+            for model, variant in zip(models, variant_of, strict=True):
+                tick[variant] = timed_step(model, x, tgt)
+                if variant in handles:
+                    handles[variant].step()  # flush at the step boundary, outside the timed step
+            for variant in VARIANTS:
+                samples[variant].append(tick[variant])
+            for variant in paired:
+                paired[variant].append(tick[variant] / tick["none"])
+        for variant, handle in handles.items():
+            calls[variant] += sum(m.forward_calls + m.backward_calls for m in handle.summary().modules)
+            handle.remove()
+    return samples, paired, {v: calls[v] / (ROUNDS * (STEPS + 1)) for v in calls}
+
+
+def direct_cost(model, x, tgt, mode: str) -> tuple[float, int]:
+    """CPU seconds of the installed hook bodies per step: each site's forward and backward body timed mid-step
+    (parameters unsharded, main_grad exposed: the state they run in), times its calls in one real step."""
+    from maingrad.hooks import install
+
+    handle = install(model, mode=mode)
+    step(model, x, tgt)
+    handle.step()
+    before = {m.module: (m.forward_calls, m.backward_calls) for m in handle.summary().modules}
+    step(model, x, tgt)
+    handle.step()
+    per_step = {
+        m.module: (m.forward_calls - before[m.module][0], m.backward_calls - before[m.module][1])
+        for m in handle.summary().modules
+    }
+    model.zero_grad_buffer()
+    loss = ((model(x).float() - tgt.float()) ** 2).mean()
+    total = 0.0
+    for site in handle._sites:
+        fwd_calls, bwd_calls = per_step.get(site.path, (0, 0))
+        fwd = min(timeit.repeat(lambda s=site: s._inspect(0, 0, True, None), number=20, repeat=5)) / 20
+        bwd = min(timeit.repeat(lambda s=site: s._inspect(1, 0, True, None), number=20, repeat=5)) / 20
+        total += fwd_calls * fwd + bwd_calls * bwd
+    loss.backward()
+    model.finish_grad_sync()
+    torch.cuda.synchronize()
+    handle.remove()
+    return total, sum(f + b for f, b in per_step.values())
 
 
 def main() -> None:
-    from maingrad.hooks import install
-
     torch.cuda.set_device(0)
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    model = build()
+    models = [build(seed=0) for _ in range(3)]
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(SEQ, BATCH, H, device="cuda", dtype=torch.bfloat16, generator=g)
     tgt = torch.randn(SEQ, BATCH, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    timed_steps(model, x, tgt, 3)  # warm-up: kernels, allocator, main_grad buffers
-    variants = ("none", "fix", "observe")
-    samples: dict[str, list[float]] = {v: [] for v in variants}
-    records = {v: 0 for v in variants}
+    for model in models:  # warm-up: kernels, allocator, main_grad buffers
+        for _ in range(3):
+            step(model, x, tgt)
+    torch.cuda.synchronize()
     t0 = time.time()
-    for _ in range(ROUNDS):
-        for variant in variants:
-            handle = None if variant == "none" else install(model, mode=variant)
-            samples[variant] += timed_steps(model, x, tgt, STEPS, handle)
-            if handle is not None:
-                records[variant] += sum(module.records for module in handle.summary().modules)
-                handle.remove()
+    samples, paired, calls = compare(models, x, tgt)
     base = statistics.median(samples["none"])
     print(
         f"\nMoE layer: {E} experts, hidden {H}, ffn {FFN}, {TOKENS} tokens x {MB} micro-batches, bf16, "
-        f"Megatron-FSDP; {ROUNDS}x{STEPS} steps per variant ({time.time() - t0:.1f} s)"
+        f"Megatron-FSDP; 3 models in turn, {ROUNDS} rounds x {STEPS} timed steps ({time.time() - t0:.1f} s)"
     )
-    print(f"{'variant':<10}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}{'share vs none':>16}")
-    for variant in variants:
+    print(
+        f"{'variant':<10}{'median ms':>11}{'p10 ms':>9}{'p90 ms':>9}{'median vs none':>16}{'paired median':>15}"
+    )
+    for variant in VARIANTS:
         s = sorted(samples[variant])
         med = statistics.median(s)
-        share = (med - base) / base * 100
+        pair = (
+            f"{(statistics.median(paired[variant]) - 1) * 100:>14.2f}%"
+            if variant in paired
+            else f"{'ref':>15}"
+        )
         print(
-            f"{variant:<10}{med:>12.3f}{s[len(s) // 10]:>10.3f}{s[(9 * len(s)) // 10]:>10.3f}{share:>15.2f}%"
+            f"{variant:<10}{med:>11.3f}{s[len(s) // 10]:>9.3f}{s[(9 * len(s)) // 10]:>9.3f}"
+            f"{(med - base) / base * 100:>15.2f}%{pair}"
         )
     spread = (max(samples["none"]) - min(samples["none"])) / base * 100
-    print(f"no-hook spread (max-min)/median: {spread:.2f}%  records kept: {records}")
-    # No device sync from the hooks at this size either: mcore_hooks' checks (a step under "warn" with every
-    # sync's stack attributed, each hook body under "error"), in fix mode.
+    print(f"no-hook spread (max-min)/median: {spread:.1f}%; hook calls per step: {calls}")
+    for mode in ("fix", "observe"):
+        try:
+            seconds, ncalls = direct_cost(models[0], x, tgt, mode)
+            print(
+                f"direct estimate, {mode}: {ncalls} hook calls/step, {seconds * 1e6:.1f} us of hook CPU time per "
+                f"step = {seconds * 1e3 / base * 100:.3f}% of the median step"
+            )
+        except Exception:  # noqa: BLE001 - report and go on to the sync checks
+            traceback.print_exc()
     import mcore_hooks
+    from maingrad.hooks import install
 
-    handle = install(model, mode="fix")
-    report = mcore_hooks.sync_checks(None, model, handle, [x, torch.roll(x, shifts=1, dims=0)], tgt)
+    handle = install(models[0], mode="fix")
+    report = mcore_hooks.sync_checks(None, models[0], handle, [x, torch.roll(x, shifts=1, dims=0)], tgt)
     handle.remove()
     print("sync checks (fix mode):", report)
     torch.distributed.destroy_process_group()

@@ -63,16 +63,25 @@ case "${1:-fix}" in
     maingrad check /tmp/mc18fix --format json --no-cache > "$OUT/report-mc18fix.json"
     maingrad upload "$OUT/report-mc18.json" $R --commit c18unfixed --branch main
     maingrad upload "$OUT/report-mc18fix.json" $R --commit c18fixed --branch main
-    # commit c18unfixed: 0.18.2 as shipped, hooks observing only -> TE fails; the records show why.
-    hooks_run svc-unfixed /tmp/mc18 --cases hooks --mode observe --no-sync --http $URL --project gpu \
-      --token "$TOKEN" --commit c18unfixed --run unfixed-observe
-    # commit c18fixed: the statically fixed sources, hooks observing only -> trains, records clean.
-    hooks_run svc-fixed /tmp/mc18fix --cases hooks --mode observe --no-sync --http $URL --project gpu \
-      --token "$TOKEN" --commit c18fixed --run fixed-observe
+    maingrad upload "$OUT/report-mc18fix.json" $R --commit c18fixed-ogp --branch main
+    H="--cases hooks --mode observe --no-sync --mb 2 --http $URL --project gpu --token $TOKEN"
+    # c18unfixed: 0.18.2 as shipped, hooks observing only -> TE raises MAIN GRAD NOT FOUND; the records say why.
+    hooks_run svc-unfixed /tmp/mc18 $H --strategy optim_grads_params --commit c18unfixed --run unfixed
+    # c18fixed: the statically fixed sources, no_shard (overwrite_main_grad never set) -> trains, records clean.
+    hooks_run svc-fixed /tmp/mc18fix $H --strategy no_shard --commit c18fixed --run fixed
+    # c18fixed-ogp: the same sources under optim_grads_params at data-parallel size 1, where Megatron-FSDP sets
+    # overwrite_main_grad=True on an unsharded buffer -> micro-batch 0's expert gradients are overwritten
+    # (docs/gpu-evidence.md); no static rule sees that, the runtime records do.
+    hooks_run svc-fixed-ogp /tmp/mc18fix $H --strategy optim_grads_params --commit c18fixed-ogp --run fixed-ogp
     echo "### gate c18unfixed"; maingrad gate $R --commit c18unfixed; echo "rc=$?"
     echo "### gate c18fixed (baseline c18unfixed)"; maingrad gate $R --commit c18fixed --base c18unfixed; echo "rc=$?"
-    maingrad gate $R --commit c18unfixed --format json > "$OUT/gate-unfixed.json"
-    maingrad gate $R --commit c18fixed --base c18unfixed --format json > "$OUT/gate-fixed.json"
+    echo "### gate c18fixed-ogp (baseline c18unfixed)"
+    maingrad gate $R --commit c18fixed-ogp --base c18unfixed | grep -v '^  \(fixed\|new\|unchanged\) '
+    echo "rc=${PIPESTATUS[0]}"
+    maingrad gate $R --commit c18unfixed --format json > "$OUT/gate-c18unfixed.json"
+    for c in c18fixed c18fixed-ogp; do
+      maingrad gate $R --commit $c --base c18unfixed --format json > "$OUT/gate-$c.json"
+    done
     python3 - "$URL" "$TOKEN" <<'PY' | tee "$OUT/runs.txt"
 import json, sys, urllib.request
 url, token = sys.argv[1:3]
