@@ -78,6 +78,9 @@ def _overwrites_accumulation(param: Any, forward_ptr: int, previous_backward_ptr
 _EXPOSING_METHODS = ("_ensure_main_grad", "_expose_main_grad_for_fused_ops")
 
 
+_NO_META: tuple = (0, None, None, None)
+
+
 def _self_exposing(cls: type) -> bool:
     """Does `cls` expose main_grad in its fused pre-forward hook, which runs after our container pre-hook?
 
@@ -182,6 +185,7 @@ class Site:
         "pending",
         "order_checked",
         "checked_ptr",
+        "buffer_meta",
         "late_handle",
         "late_ref",
         "pre_ptrs",
@@ -220,9 +224,20 @@ class Site:
             groups.append((*group, tuple(range(base, base + n))))
             base += n
         self.groups = tuple(groups)
-        self.fast = tuple((o, getter, single) for o, getter, single, *_ in self.groups)
+        # fix mode's fast path walks an owner's parameter dict directly when every entry is covered (a TE
+        # GroupedLinear's weights): no per-name lookups. `whole` is that entry count (0: look names up).
+        self.fast = tuple(
+            (o, getter, single, len(names_) if set(names_) == set(o._parameters) else 0)
+            for o, getter, single, names_, *_ in self.groups
+        )
         self.nslots = len(self.relnames)
         self.checked_ptr = [0] * self.nslots  # data_ptr whose element count was last found right, per slot
+        # Per slot (data_ptr, dtype, shape tuple, device str) of the buffer last recorded: a record of the same
+        # buffer (same address and dtype) reuses them instead of building a torch.Size and a torch.device per
+        # row (time, and GC-tracked objects the ring would keep alive). A view of the same address with another
+        # shape but the same dtype would be recorded with the first shape; buffers that TE writes are
+        # shaped like their parameter, which the element-count check validates.
+        self.buffer_meta: list[tuple] = [_NO_META] * self.nslots
         self.fwd_calls = 0
         self.bwd_calls = 0
         self.records = 0
@@ -366,9 +381,15 @@ class Site:
         others only where nothing refreshes it in backward (no `__fsdp_param__`)."""
         strict = self.strict
         try:
-            for owner, getter, single in self.fast:
-                found = getter(owner._parameters)
-                for param in (found,) if single else found:
+            for owner, getter, single, whole in self.fast:
+                params = owner._parameters
+                if (
+                    whole and len(params) == whole
+                ):  # same count: every entry is (a successor of) a covered one
+                    found = params.values()
+                else:
+                    found = (getter(params),) if single else getter(params)
+                for param in found:
                     if getattr(param, "main_grad", None) is None and (
                         strict or param is None or not hasattr(param, "__fsdp_param__")
                     ):
@@ -417,6 +438,7 @@ class Site:
             next_seq = rt.ring.next_seq
             site = self.index
         checked = self.checked_ptr
+        metas = self.buffer_meta
         strict_kind = self.strict
         for owner, getter, single, names, wgrads, indices in self.groups:
             params = owner._parameters
@@ -452,11 +474,14 @@ class Site:
                             else:
                                 last[i] = ptr
                             if record:
+                                meta = metas[i]
+                                dtype = mg.dtype
+                                if meta[0] != ptr or meta[1] is not dtype:
+                                    meta = metas[i] = (ptr, dtype, tuple(mg.shape), str(mg.device))
                                 append(
                                     (
-                                        next_seq(), t, step, mb, phase, site, i, True, False, mg.dtype,
-                                        mg.shape, mg.device, ptr, ow, gam, hasattr(p, "__fsdp_param__"),
-                                        A_NONE, None,
+                                        next_seq(), t, step, mb, phase, site, i, True, False, dtype, meta[2],
+                                        meta[3], ptr, ow, gam, hasattr(p, "__fsdp_param__"), A_NONE, None,
                                     )
                                 )  # fmt: skip
                             continue
