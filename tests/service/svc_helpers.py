@@ -197,6 +197,7 @@ class Server:
                 "--no-access-log",
                 "--log-level",
                 "warning",
+                *self.args,
             ],
             cwd=self.workdir,
             env=env,
