@@ -1,7 +1,7 @@
 """Service speed on loopback: gate-query latency under open-loop load, and runtime-record ingest throughput.
 
     python3 benchmarks/service.py [--backends sqlite,postgres] [--rates 50,100,200,400] [--duration 5]
-                                  [--batches 150] [--senders 4] [--json FILE]
+                                  [--batches 150] [--senders 8] [--json FILE]
 
 For each backend a real `maingrad serve` process (uvicorn, one worker, access log off) runs on a fresh
 database: a temporary SQLite file, and PostgreSQL in a fresh schema when MAINGRAD_BENCH_POSTGRES_URL or
@@ -298,7 +298,13 @@ def main() -> int:
     parser.add_argument("--rates", default="50,100,200,400", help="offered gate requests per second")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per offered rate")
     parser.add_argument("--batches", type=int, default=150, help="ingest batches of 1,000 records")
-    parser.add_argument("--senders", type=int, default=2, help="concurrent ingest clients")
+    parser.add_argument(
+        "--senders",
+        type=int,
+        default=8,
+        help="concurrent ingest clients (like training ranks; with 2, uvicorn's shared accept often hands both "
+        "connections to one worker, which halves throughput on 2 workers)",
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="uvicorn worker processes")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
