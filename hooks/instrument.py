@@ -232,11 +232,11 @@ class Site:
         )
         self.nslots = len(self.relnames)
         self.checked_ptr = [0] * self.nslots  # data_ptr whose element count was last found right, per slot
-        # Per slot (data_ptr, dtype, shape tuple, device str) of the buffer last recorded: a record of the same
-        # buffer (same address and dtype) reuses them instead of building a torch.Size and a torch.device per
-        # row (time, and GC-tracked objects the ring would keep alive). A view of the same address with another
-        # shape but the same dtype would be recorded with the first shape; buffers that TE writes are
-        # shaped like their parameter, which the element-count check validates.
+        # Per slot (data_ptr, dtype, shape, device) of the buffer last recorded: a record of the same buffer
+        # (same address and dtype) reuses them instead of building a torch.Size and a torch.device per row
+        # (time, and GC-tracked objects the ring would keep alive: one shape per slot is shared instead). A view
+        # of the same address with another shape but the same dtype would be recorded with the first shape;
+        # buffers that TE writes are shaped like their parameter, which the element-count check validates.
         self.buffer_meta: list[tuple] = [_NO_META] * self.nslots
         self.fwd_calls = 0
         self.bwd_calls = 0
@@ -477,7 +477,7 @@ class Site:
                                 meta = metas[i]
                                 dtype = mg.dtype
                                 if meta[0] != ptr or meta[1] is not dtype:
-                                    meta = metas[i] = (ptr, dtype, tuple(mg.shape), str(mg.device))
+                                    meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
                                 append(
                                     (
                                         next_seq(), t, step, mb, phase, site, i, True, False, dtype, meta[2],
