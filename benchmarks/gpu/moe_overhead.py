@@ -1,8 +1,9 @@
 """Hooks' share of a training step of a realistic MoE layer on one GPU (evidence issue, run 4).
 
 megatron-core 0.19.2's fused TEGroupedMLP (op-fuser path, which exposes main_grad itself) under
-Megatron-FSDP, built as tests/gpu/mcore_hooks.py builds it. Three identical models take turns step by step
-(A B C A B C ...); each round gives every model another variant (no hooks, `fix`, `observe`), so a model's
+Megatron-FSDP, built as tests/gpu/mcore_hooks.py builds it. Identical models, one per variant, take turns step by step
+(A B C D A B C D ...); each round gives every model another variant (no hooks, `fix`, `observe`, `fix`
+without records), so a model's
 own placement or a slow moment hits every variant alike. Each step (zero_grad_buffer -> MB forward/backward
 -> finish_grad_sync) is timed with CUDA events after one untimed step per install. Reported per variant:
 the median step, and the median of the ratios of steps taken side by side in the same tick (paired, the
@@ -46,7 +47,15 @@ MB = int(os.environ.get("MB", "2"))
 ROUNDS = int(os.environ.get("ROUNDS", "12"))
 STEPS = int(os.environ.get("STEPS", "8"))
 SEQ, BATCH = TOKENS // 4, 4
-VARIANTS = ("none", "fix", "observe")
+# "mode" or "mode:N" (sample_every=N; "fix:0" = fix without records); the first must be "none".
+VARIANTS = tuple(os.environ.get("VARIANTS", "none,fix,observe,fix:0").split(","))
+
+
+def install_variant(model, variant: str):
+    from maingrad.hooks import install
+
+    mode, _, every = variant.partition(":")
+    return install(model, mode=mode, sample_every=int(every or 1))
 
 
 def build(seed: int):
@@ -79,17 +88,16 @@ def timed_step(model, x, tgt) -> float:
 
 def compare(models, x, tgt) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
     """Step times per variant, paired ratios (variant / none of the same tick), hook calls per step."""
-    from maingrad.hooks import install
-
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
     paired: dict[str, list[float]] = {v: [] for v in VARIANTS[1:]}
     calls = {v: 0 for v in VARIANTS[1:]}
     for r in range(ROUNDS):
-        variant_of = [VARIANTS[(i + r) % 3] for i in range(3)]  # model i runs variant_of[i] this round
+        n = len(VARIANTS)
+        variant_of = [VARIANTS[(i + r) % n] for i in range(n)]  # model i runs variant_of[i] this round
         handles = {}
         for model, variant in zip(models, variant_of, strict=True):
             if variant != "none":
-                handles[variant] = install(model, mode=variant)
+                handles[variant] = install_variant(model, variant)
             step(model, x, tgt)  # untimed: the first call after install moves container hooks in place
             if variant in handles:
                 handles[variant].step()
@@ -145,7 +153,7 @@ def main() -> None:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    models = [build(seed=0) for _ in range(3)]
+    models = [build(seed=0) for _ in VARIANTS]
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(SEQ, BATCH, H, device="cuda", dtype=torch.bfloat16, generator=g)
     tgt = torch.randn(SEQ, BATCH, H, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -158,7 +166,7 @@ def main() -> None:
     base = statistics.median(samples["none"])
     print(
         f"\nMoE layer: {E} experts, hidden {H}, ffn {FFN}, {TOKENS} tokens x {MB} micro-batches, bf16, "
-        f"Megatron-FSDP; 3 models in turn, {ROUNDS} rounds x {STEPS} timed steps ({time.time() - t0:.1f} s)"
+        f"Megatron-FSDP; {len(VARIANTS)} models in turn, {ROUNDS} rounds x {STEPS} timed steps ({time.time() - t0:.1f} s)"
     )
     print(
         f"{'variant':<10}{'median ms':>11}{'p10 ms':>9}{'p90 ms':>9}{'median vs none':>16}{'paired median':>15}"
