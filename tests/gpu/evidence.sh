@@ -20,7 +20,7 @@ if [ -d .whl ] && [ ! -d $SVC/fastapi ]; then
   python3 -m pip install -q --no-deps --no-index --no-compile --target $SVC $(find .whl -type f -name "*.whl") > "$OUT/pip-svc.log" 2>&1 \
     || tail -5 "$OUT/pip-svc.log"
 fi
-EXPERTS=megatron/core/transformer/moe/experts.py
+EXPERTS_PY=megatron/core/transformer/moe/experts.py  # not EXPERTS: moe_overhead.py reads that
 maingrad() { PYTHONPATH=$MG:$SVC python3 -m maingrad.cli "$@"; }
 hooks_run() {  # hooks_run NAME MEGATRON_DIR ARGS...
   local name=$1 mc=$2; shift 2
@@ -33,7 +33,7 @@ hooks_run() {  # hooks_run NAME MEGATRON_DIR ARGS...
 fixed_tree() {
   if [ ! -d /tmp/mc18fix ]; then
     cp -r /tmp/mc18 /tmp/mc18fix
-    maingrad fix /tmp/mc18fix/$EXPERTS > "$OUT/fix.log" 2>&1
+    maingrad fix /tmp/mc18fix/$EXPERTS_PY > "$OUT/fix.log" 2>&1
     local rc=$?
     echo "maingrad fix rc=$rc ($(tail -1 "$OUT/fix.log"))"
     [ $rc = 0 ] || { rm -rf /tmp/mc18fix; echo "maingrad fix failed: no fixed tree"; exit 4; }
@@ -42,9 +42,9 @@ fixed_tree() {
 case "${1:-fix}" in
   fix)
     fixed_tree
-    diff -u /tmp/mc18/$EXPERTS /tmp/mc18fix/$EXPERTS > "$OUT/experts-fix.diff"
+    diff -u /tmp/mc18/$EXPERTS_PY /tmp/mc18fix/$EXPERTS_PY > "$OUT/experts-fix.diff"
     echo "diff: $(grep -c '^+[^+]' "$OUT/experts-fix.diff") lines added, $(grep -c '^-[^-]' "$OUT/experts-fix.diff") removed"
-    maingrad check /tmp/mc18fix/$EXPERTS --select MG001 --no-cache; echo "check MG001 on the fixed file: rc=$?"
+    maingrad check /tmp/mc18fix/$EXPERTS_PY --select MG001 --no-cache; echo "check MG001 on the fixed file: rc=$?"
     for s in optim_grads_params no_shard; do
       hooks_run fixed-$s-mb2 /tmp/mc18fix --cases fused nonfused plain --strategy $s --mb 2 --no-sync
     done
