@@ -3,7 +3,7 @@
     python3 benchmarks/service.py [--backends sqlite,postgres] [--rates 50,100,200,400] [--duration 5]
                                   [--batches 150] [--senders 8] [--json FILE]
 
-For each backend a real `maingrad serve` process (uvicorn, one worker, access log off) runs on a fresh
+For each backend a real `maingrad serve` process (uvicorn, `--workers` processes, access log off) runs on a fresh
 database: a temporary SQLite file, and PostgreSQL in a fresh schema when MAINGRAD_BENCH_POSTGRES_URL or
 MAINGRAD_TEST_POSTGRES_URL is set (dropped afterwards).
 

@@ -383,9 +383,8 @@ class Site:
         try:
             for owner, getter, single, whole in self.fast:
                 params = owner._parameters
-                if (
-                    whole and len(params) == whole
-                ):  # same count: every entry is (a successor of) a covered one
+                # Same count as when installed: every entry is a covered parameter or its replacement.
+                if whole and len(params) == whole:
                     found = params.values()
                 else:
                     found = (getter(params),) if single else getter(params)
