@@ -45,7 +45,7 @@ class Principal:
 
 
 # Built once: these run on every request (statement construction costs more than the query on SQLite).
-_TOKEN_BY_HASH = select(
+_TOKEN_COLUMNS = (
     Token.id,
     Token.name,
     Token.project_id,
@@ -53,7 +53,8 @@ _TOKEN_BY_HASH = select(
     Token.expires_at,
     Token.revoked_at,
     Token.last_used_at,
-).where(Token.token_hash == bindparam("h"))
+)
+_TOKEN_BY_HASH = select(*_TOKEN_COLUMNS).where(Token.token_hash == bindparam("h"))
 _PROJECT_BY_NAME = select(Project).where(Project.name == bindparam("n"))
 
 
@@ -102,26 +103,25 @@ def touch(db: Database, principal: Principal) -> None:
         log.warning("could not record token use: %s", exc)
 
 
-def authorize(session: Session, principal: Principal, project_name: str, scope: str) -> Project:
-    project = session.execute(_PROJECT_BY_NAME, {"n": project_name}).scalar_one_or_none()
-    if project is None or (principal.project_id is not None and principal.project_id != project.id):
+def _check_access(principal: Principal, project_id: int | None, project_name: str, scope: str) -> None:
+    """404 for a project that does not exist or that the token's project is not; 403 for a missing scope."""
+    if project_id is None or (principal.project_id is not None and principal.project_id != project_id):
         raise ProblemError(404, "project_not_found", f"no project {project_name!r} visible to this token")
     if scope not in principal.scopes:
         raise ProblemError(
             403, "insufficient_scope", f"this token lacks the {scope!r} scope", required_scope=scope
         )
+
+
+def authorize(session: Session, principal: Principal, project_name: str, scope: str) -> Project:
+    project = session.execute(_PROJECT_BY_NAME, {"n": project_name}).scalar_one_or_none()
+    _check_access(principal, None if project is None else project.id, project_name, scope)
     return project
 
 
 _TOKEN_AND_PROJECT = (
     select(
-        Token.id,
-        Token.name,
-        Token.project_id,
-        Token.scopes,
-        Token.expires_at,
-        Token.revoked_at,
-        Token.last_used_at,
+        *_TOKEN_COLUMNS,
         Project.id.label("p_id"),
         Project.name.label("p_name"),
         Project.default_branch.label("p_branch"),
@@ -151,12 +151,7 @@ def resolve(
         principal = authenticate(session, settings, token)  # the env admin token, or "unknown token"
         return principal, authorize(session, principal, project_name, scope)
     principal = _principal(row)
-    if row.p_id is None or (principal.project_id is not None and principal.project_id != row.p_id):
-        raise ProblemError(404, "project_not_found", f"no project {project_name!r} visible to this token")
-    if scope not in principal.scopes:
-        raise ProblemError(
-            403, "insufficient_scope", f"this token lacks the {scope!r} scope", required_scope=scope
-        )
+    _check_access(principal, row.p_id, project_name, scope)
     project = Project(
         id=row.p_id,
         name=row.p_name,
