@@ -120,9 +120,7 @@ def compare(models, x, tgt) -> tuple[dict[str, list[float]], dict[str, list[floa
 def direct_cost(model, x, tgt, mode: str) -> tuple[float, int]:
     """CPU seconds of the installed hook bodies per step: each site's forward and backward body timed mid-step
     (parameters unsharded, main_grad exposed: the state they run in), times its calls in one real step."""
-    from maingrad.hooks import install
-
-    handle = install(model, mode=mode)
+    handle = install_variant(model, mode)
     step(model, x, tgt)
     handle.step()
     before = {m.module: (m.forward_calls, m.backward_calls) for m in handle.summary().modules}
@@ -195,9 +193,8 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - report and go on to the sync checks
             traceback.print_exc()
     import mcore_hooks
-    from maingrad.hooks import install
 
-    handle = install(models[0], mode="fix")
+    handle = install_variant(models[0], "fix")
     report = mcore_hooks.sync_checks(None, models[0], handle, [x, torch.roll(x, shifts=1, dims=0)], tgt)
     handle.remove()
     print("sync checks (fix mode):", report)
