@@ -15,7 +15,8 @@ from __future__ import annotations
 import warnings
 import weakref
 from functools import partial
-from operator import itemgetter
+from itertools import repeat
+from operator import attrgetter, is_, itemgetter
 from time import time_ns
 from typing import Any
 
@@ -37,6 +38,30 @@ from .records import (
 
 _MISSING = object()
 _Tensor = torch.Tensor
+_SLOW = object()  # the vectorised path's answer: this call needs the per-parameter path
+
+# Constant iterables for the vectorised path's C-level passes (map/zip stop at the parameter list's end;
+# an endless `repeat` holds no position, so one object serves every call).
+_R_MAIN_GRAD = repeat("main_grad")
+_R_OW = repeat("overwrite_main_grad")
+_R_GAM = repeat("grad_added_to_main_grad")
+_R_FSDP = repeat("__fsdp_param__")
+_R_GBUF = repeat("_gbuf")
+_R_DISTRIBUTED = repeat("is_data_distributed")
+_R_MISSING = repeat(_MISSING)
+_R_NONE = repeat(None)
+_R_TRUE = repeat(True)
+_R_FALSE = repeat(False)
+_TENSOR_ONLY = frozenset({_Tensor})
+_FLAG_TYPES = frozenset({bool, type(None)})
+_data_ptr = _Tensor.data_ptr
+_dtype_of = attrgetter("dtype")
+_shape_of = attrgetter("shape")
+_device_of = attrgetter("device")
+# Sites with at least this many parameters take the vectorised path first. Against the per-parameter path
+# (fix + records, CPU): 2.7x slower at 2 parameters (a few us more to set up), even at 16, 22% faster at 128.
+VECTORISED_MIN_PARAMS = 32
+
 
 MISSING = "main_grad_missing"
 NONE = "main_grad_none"
@@ -171,6 +196,10 @@ class Site:
         "strict",
         "groups",
         "fast",
+        "takers",
+        "wgrads",
+        "slot_ids",
+        "meta_cache",
         "nslots",
         "relnames",
         "fwd_calls",
@@ -230,7 +259,14 @@ class Site:
             (o, getter, single, len(names_) if set(names_) == set(o._parameters) else 0)
             for o, getter, single, names_, *_ in self.groups
         )
+        # The vectorised path's view of the same slots: (owner, getter, single) per group, flat wgrad flags.
+        self.takers = tuple((o, getter, single) for o, getter, single, *_ in self.groups)
+        self.wgrads = tuple(w for *_, wgrads_, _ in self.groups for w in wgrads_)
         self.nslots = len(self.relnames)
+        self.slot_ids = tuple(range(self.nslots))
+        # (data_ptrs, dtypes, shapes, devices) of the buffers last recorded by the vectorised path: a call
+        # that finds the same buffers reuses the shape and device objects (see buffer_meta).
+        self.meta_cache: tuple | None = None
         self.checked_ptr = [0] * self.nslots  # data_ptr whose element count was last found right, per slot
         # Per slot (data_ptr, dtype, shape, device) of the buffer last recorded: a record of the same buffer
         # (same address and dtype) reuses them instead of building a torch.Size and a torch.device per row
@@ -419,7 +455,100 @@ class Site:
                 return
 
     def _inspect(self, phase: int, mb: int, record: bool, fwd_ptrs: list[int] | None) -> list[int] | None:
-        """Read (and in fix mode repair) every covered parameter; append rows; raise in check mode."""
+        """Read (and in fix mode repair) every covered parameter; append rows; raise in check mode.
+
+        The steady state (every main_grad a validated tensor, flags bool, nothing to expose, force or flag)
+        takes the vectorised path; anything else, or any surprise in it, the per-parameter one.
+        """
+        if self.nslots >= VECTORISED_MIN_PARAMS:
+            try:
+                result = self._inspect_vectorised(phase, mb, record, fwd_ptrs)
+            except Exception:  # noqa: BLE001 - e.g. a property raising: the per-parameter path records it
+                result = _SLOW
+            if result is not _SLOW:
+                return result
+        return self._inspect_each(phase, mb, record, fwd_ptrs)
+
+    def _inspect_vectorised(self, phase: int, mb: int, record: bool, fwd_ptrs: list[int] | None) -> Any:
+        """The steady state in C-level passes (map/zip over the parameter list, one `deque.extend` of rows).
+
+        Returns what `_inspect` returns, or `_SLOW` (having changed nothing but `checked_ptr` entries it
+        validated) when a parameter needs the per-parameter path: something to expose, force or flag.
+        """
+        rt = self.rt
+        forward = phase == FORWARD
+        if forward and rt.force_true:
+            return _SLOW
+        takers = self.takers
+        if len(takers) == 1:
+            owner, getter, single = takers[0]
+            ps = (getter(owner._parameters),) if single else getter(owner._parameters)
+        else:
+            ps = []
+            for owner, getter, single in takers:
+                found = getter(owner._parameters)
+                if single:
+                    ps.append(found)
+                else:
+                    ps.extend(found)
+        mgs = list(map(getattr, ps, _R_MAIN_GRAD, _R_MISSING))
+        if not _TENSOR_ONLY.issuperset(map(type, mgs)):
+            return _SLOW
+        ows = list(map(getattr, ps, _R_OW, _R_NONE))
+        gams = list(map(getattr, ps, _R_GAM, _R_NONE))
+        if not (_FLAG_TYPES.issuperset(map(type, ows)) and _FLAG_TYPES.issuperset(map(type, gams))):
+            return _SLOW
+        ptrs = list(map(_data_ptr, mgs))
+        checked = self.checked_ptr
+        if ptrs != checked:  # buffers not validated yet: compare element counts once per buffer
+            wgrads = self.wgrads
+            for i, ptr in enumerate(ptrs):
+                if ptr != checked[i]:
+                    if wgrads[i] and mgs[i].numel() != ps[i].numel() and not _is_distributed(ps[i]):
+                        return _SLOW
+                    checked[i] = ptr
+        if not forward and mb > 0 and True in ows:  # ows hold bools and None only: `in` is safe
+            distributed = list(map(getattr, map(getattr, ps, _R_GBUF, _R_NONE), _R_DISTRIBUTED, _R_NONE))
+            if not all(map(is_, distributed, _R_TRUE)):
+                last = self.last_bwd_ptr
+                wgrads = self.wgrads
+                for i, ow in enumerate(ows):
+                    if (
+                        ow is True
+                        and wgrads[i]
+                        and _overwrites_accumulation(ps[i], fwd_ptrs[i] if fwd_ptrs else 0, last[i])
+                    ):
+                        return _SLOW
+        if record:
+            n = self.nslots
+            dtypes = list(map(_dtype_of, mgs))
+            cache = self.meta_cache
+            if cache is not None and cache[0] == ptrs and cache[1] == dtypes:
+                shapes, devices = cache[2], cache[3]
+            else:
+                shapes = list(map(_shape_of, mgs))
+                devices = list(map(_device_of, mgs))
+                self.meta_cache = (ptrs[:], dtypes, shapes, devices)
+            fsdps = list(map(hasattr, ps, _R_FSDP))
+            ring = rt.ring
+            seq = ring.reserve(n)
+            ring.extend(
+                zip(
+                    range(seq, seq + n), repeat(time_ns()), repeat(rt.step), repeat(mb), repeat(phase),
+                    repeat(self.index), self.slot_ids, _R_TRUE, _R_FALSE, dtypes, shapes, devices, ptrs, ows,
+                    gams, fsdps, repeat(A_NONE), _R_NONE,
+                )
+            )  # fmt: skip
+            self.records += n
+        if not forward:
+            self.last_bwd_ptr = ptrs
+            return None
+        return ptrs if (record or rt.check) else None
+
+    def _inspect_each(
+        self, phase: int, mb: int, record: bool, fwd_ptrs: list[int] | None
+    ) -> list[int] | None:
+        """The per-parameter path: exposes, forces, flags and records anomalies; raises in check mode."""
         rt = self.rt
         forward = phase == FORWARD
         fix = rt.fix and forward

@@ -110,6 +110,7 @@ class RecordRing:
         self.capacity = capacity
         self.rows: deque[tuple] = deque(maxlen=capacity)
         self.append = self.rows.append
+        self.extend = self.rows.extend
         self._seq = itertools.count(1)
         self.next_seq = self._seq.__next__
         self.flushed_seq = 0
@@ -117,6 +118,14 @@ class RecordRing:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def reserve(self, n: int) -> int:
+        """The first of `n` consecutive sequence numbers (n >= 1), for rows appended in one `extend`.
+
+        `islice` draws them from the counter in C without releasing the GIL, so a backward hook on the
+        autograd thread cannot interleave its own numbers.
+        """
+        return next(itertools.islice(self._seq, n - 1, None)) - n + 1
 
     def take_new(self) -> list[tuple]:
         """Rows appended since the previous call, oldest first; counts rows lost to overwriting."""
