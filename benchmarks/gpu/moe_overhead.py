@@ -10,7 +10,9 @@ the median step, and the median of the ratios of steps taken side by side in the
 robust number on a CPU-bound, jittery step).
 
 A second, direct estimate: the hooks' own CPU time per step = their calls per step x the cost of one call of
-each installed hook body (timed on the real sites, mid-step), over the median step without hooks. Last, the
+each installed hook body (timed on the real sites, mid-step), over the median step without hooks. A third,
+in place: every hook entry point timed where it runs inside real steps (IN_PLACE_STEPS of them), over the
+median step without hooks; the step is CPU-bound, so the hooks' CPU time is what they add to it. Last, the
 sync checks of tests/gpu/mcore_hooks.py in fix mode.
 
 usage (GPU machine): NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 PYTHONPATH=/tmp/site:/tmp/mc19:/tmp/mg \
@@ -145,6 +147,55 @@ def direct_cost(model, x, tgt, mode: str) -> tuple[float, int]:
     return total, sum(f + b for f, b in per_step.values())
 
 
+_HOOK_ENTRIES = ("container_pre_forward", "pre_forward", "post_forward", "on_backward")
+
+
+def in_place_cost(model, x, tgt, variant: str, steps: int) -> tuple[float, float, float]:
+    """The hooks' CPU time inside real steps: every hook entry point (the registered pre-hooks, forward hook
+    and gradient hook) timed where it runs, cold caches included; the outermost call only (a container's
+    pre-hook calls the plain one on its first call). Returns (hook ms per step, flush ms per step, median
+    step ms of these steps)."""
+    from maingrad.hooks import instrument
+
+    spent = [0, False]  # ns inside hooks, "inside a timed hook"
+    originals = {name: getattr(instrument.Site, name) for name in _HOOK_ENTRIES}
+
+    def timed(original):
+        def wrapper(self, *args):
+            if spent[1]:
+                return original(self, *args)
+            spent[1] = True
+            t0 = time.perf_counter_ns()
+            try:
+                return original(self, *args)
+            finally:
+                spent[0] += time.perf_counter_ns() - t0
+                spent[1] = False
+
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(instrument.Site, name, timed(original))
+    try:
+        handle = install_variant(model, variant)  # after patching: the registered bound methods are timed
+        step(model, x, tgt)
+        handle.step()
+        spent[0] = 0
+        flush_ns = 0
+        times = []
+        for _ in range(steps):
+            times.append(timed_step(model, x, tgt))
+            t0 = time.perf_counter_ns()
+            handle.step()
+            flush_ns += time.perf_counter_ns() - t0
+        hook_ns = spent[0]
+        handle.remove()
+    finally:
+        for name, original in originals.items():
+            setattr(instrument.Site, name, original)
+    return hook_ns / steps / 1e6, flush_ns / steps / 1e6, statistics.median(times)
+
+
 def main() -> None:
     torch.cuda.set_device(0)
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
@@ -191,6 +242,17 @@ def main() -> None:
                 f"step = {seconds * 1e3 / base * 100:.3f}% of the median step"
             )
         except Exception:  # noqa: BLE001 - report and go on to the sync checks
+            traceback.print_exc()
+    in_place_steps = int(os.environ.get("IN_PLACE_STEPS", "40"))
+    for variant in VARIANTS[1:]:
+        try:
+            hook_ms, flush_ms, med = in_place_cost(models[0], x, tgt, variant, in_place_steps)
+            print(
+                f"in place, {variant}: hooks {hook_ms * 1e3:.1f} us per step = {hook_ms / base * 100:.3f}% of the "
+                f"median no-hook step (flush at handle.step(): {flush_ms * 1e3:.1f} us; these {in_place_steps} "
+                f"steps' median {med:.3f} ms)"
+            )
+        except Exception:  # noqa: BLE001
             traceback.print_exc()
     import mcore_hooks
 

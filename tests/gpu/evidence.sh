@@ -4,7 +4,8 @@
 # and the service's wheels carried in .whl/ (see docs/gpu-evidence.md).
 #   bash tests/gpu/evidence.sh fix        # run 1: `maingrad fix` on 0.18.2, then train the fixed sources
 #   bash tests/gpu/evidence.sh service    # run 3: hooks' HTTP sink -> maingrad serve on loopback -> gate
-#   bash tests/gpu/evidence.sh overhead   # run 4: hooks' share of a 64-expert MoE step (CUDA events)
+#   bash tests/gpu/evidence.sh overhead   # run 4: hooks' share of a 64-expert MoE step (CUDA events);
+#                                         # TAG names the log (overhead-$TAG.log)
 set -u
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -97,6 +98,6 @@ PY
     ;;
   overhead)
     NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 PYTHONPATH=$MG:/tmp/site:/tmp/mc19 timeout 400 python3 benchmarks/gpu/moe_overhead.py \
-      2>&1 | tee "$OUT/overhead.log" | grep -v -e Warning -e warnings.warn -e ProcessGroupNCCL | tail -12
+      2>&1 | tee "$OUT/overhead${TAG:+-$TAG}.log" | grep -v -e Warning -e warnings.warn -e ProcessGroupNCCL | tail -16
     ;;
 esac

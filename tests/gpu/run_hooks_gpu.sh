@@ -3,6 +3,7 @@
 # ../shared/gpu/README.md has put TE in /tmp/site and megatron-core in /tmp/mc18, /tmp/mc19).
 #   bash tests/gpu/run_hooks_gpu.sh a     # megatron-core 0.18.2: default cases + the overwrite question
 #   bash tests/gpu/run_hooks_gpu.sh b     # megatron-core 0.19.2, then the pytest file on 0.18.2
+#   bash tests/gpu/run_hooks_gpu.sh t     # the pytest file on 0.18.2, then on 0.19.2
 # Logs, JSON results and JSONL records go to $OUT (default ./gpu-out).
 set -u
 OUT=${OUT:-./gpu-out}
@@ -35,5 +36,13 @@ case "${1:-a}" in
     PYTHONPATH=$MG:/tmp/site:/tmp/mc18 timeout 300 python3 -m pytest -p no:cacheprovider tests/gpu/test_hooks_gpu.py \
       -q -rA > "$OUT/pytest-mc18.log" 2>&1
     echo "rc=$?"; grep -E '^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed' "$OUT/pytest-mc18.log" | tail -12
+    ;;
+  t)
+    for v in 18 19; do
+      echo "### pytest tests/gpu/test_hooks_gpu.py on megatron-core 0.$v.2"
+      PYTHONPATH=$MG:/tmp/site:/tmp/mc$v timeout 280 python3 -m pytest -p no:cacheprovider tests/gpu/test_hooks_gpu.py \
+        -q -rA --durations=5 > "$OUT/pytest-mc$v.log" 2>&1
+      echo "rc=$?"; grep -E '^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|s call' "$OUT/pytest-mc$v.log" | tail -16
+    done
     ;;
 esac

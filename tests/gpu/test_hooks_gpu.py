@@ -161,9 +161,13 @@ def _script(tmp_path: Path, *args: str) -> dict:
 
 
 @needs_mcore
-@pytest.mark.parametrize("microbatches", ["1", "2"])
-def test_mcore_fused_grouped_mlp_fixed_by_hooks(tmp_path: Path, microbatches: str) -> None:
-    result = _script(tmp_path, "--strategy", "optim_grads_params", "--mb", microbatches)
+@pytest.mark.parametrize(
+    ("experts", "microbatches"),
+    # 32 experts: a container of 64 parameters, which the hooks inspect on their vectorised path
+    [("4", "1"), ("4", "2"), ("32", "2")],
+)
+def test_mcore_fused_grouped_mlp_fixed_by_hooks(tmp_path: Path, experts: str, microbatches: str) -> None:
+    result = _script(tmp_path, "--strategy", "optim_grads_params", "--mb", microbatches, "--experts", experts)
     cases = result["cases"]
     assert not cases["fused"]["ok"] and "MAIN GRAD" in cases["fused"]["error"]
     hooks = cases["hooks"]
