@@ -4,8 +4,9 @@ What is instrumented is the module that is actually *called* before the fused GE
 always the one holding the flag:
 - TE op-fuser ops (`accumulate_into_main_grad=True`) inside a `te.ops.Sequential` never run their own module
   hooks (the Sequential hands them to a plain fuser object), so the outermost such Sequential is the target.
-- megatron-core's `TEGroupedMLP` keeps its op-fuser Sequential in the `_fused_ops` tuple, outside the module
-  tree; the container is the target and covers every parameter of its fused-wgrad children.
+- megatron-core's `TEGroupedMLP` keeps its op-fuser Sequential in the `_fused_ops` tuple, and its dense
+  `TEFusedMLP` / `TEFusedMLPWithGroupedLinear` in `_fused_impl`, outside the module tree; the container is the
+  target and covers every parameter of its fused-wgrad children.
 - TE modules (`fuse_wgrad_accumulation=True`) and Megatron's own linears (`gradient_accumulation_fusion=True`)
   are called normally and are their own targets.
 Classes are matched with isinstance when Transformer Engine / megatron-core are already imported (never
@@ -51,10 +52,11 @@ class TargetSpec:
     kind: str
     slots: list[Slot] = field(default_factory=list)
     explicit: bool = False  # named by the user: treated as needing main_grad at forward, whatever its kind
+    lenient: bool = False  # a container whose fused ops read main_grad only in backward (TEFusedMLP)
 
     @property
     def strict_forward(self) -> bool:
-        return self.explicit or self.kind in STRICT_FORWARD_KINDS
+        return self.explicit or (self.kind in STRICT_FORWARD_KINDS and not self.lenient)
 
 
 def _te_class(path: str, name: str) -> type | None:
@@ -89,15 +91,50 @@ def is_megatron_fused_linear(module: torch.nn.Module) -> bool:
     return getattr(module, "gradient_accumulation_fusion", None) is True and bool(module._parameters)
 
 
+# Attributes in which megatron-core containers keep their op-fuser Sequential as a one-element tuple (so that
+# it stays outside the module tree), built lazily on the first forward: TEGroupedMLP, TEFusedMLP*.
+FUSED_ATTRS = ("_fused_ops", "_fused_impl")
+
+
+def fused_attr(module: torch.nn.Module) -> str | None:
+    """The attribute holding `module`'s fused object, if it is such a container."""
+    return next((name for name in FUSED_ATTRS if hasattr(module, name)), None)
+
+
+def fused_object(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The container's fused Sequential once built (None before its first forward)."""
+    for name in FUSED_ATTRS:
+        fused = module.__dict__.get(name)
+        if type(fused) is tuple and len(fused) == 1 and isinstance(fused[0], torch.nn.Module):
+            return fused[0]
+    return None
+
+
 def is_fused_container(module: torch.nn.Module) -> bool:
-    """A module that runs fused ops kept outside the module tree (megatron-core TEGroupedMLP's `_fused_ops`).
+    """A module that runs fused ops kept outside the module tree (`_fused_ops`, `_fused_impl`).
 
     `_with_fused_impl is False` means the container calls its children normally (they are then targets of
     their own).
     """
-    if not hasattr(module, "_fused_ops"):
+    if fused_attr(module) is None:
         return False
     return getattr(module, "_with_fused_impl", True) is not False
+
+
+def _needs_main_grad_at_forward(container: torch.nn.Module) -> bool:
+    """Does the container's fused path check main_grad in forward (TE's op-fuser GroupedLinear does; its
+    BasicLinear reads it only in backward, refreshing it from get_main_grad for Megatron-FSDP parameters)?
+
+    `_fused_ops` holds GroupedLinear ops (TEGroupedMLP). A `_fused_impl` container is decided by its ops once
+    built, and before that by its class: megatron-core's `TEFusedMLPWithGroupedLinear` builds GroupedLinear
+    ops, `TEFusedMLP` BasicLinear ones.
+    """
+    if fused_attr(container) == "_fused_ops":
+        return True
+    fused = fused_object(container)
+    if fused is not None:
+        return any(type(op).__name__ == "GroupedLinear" and is_fused_op(op) for op in fused.modules())
+    return any("GroupedLinear" in cls.__name__ for cls in type(container).__mro__)
 
 
 def _direct_slots(owner: torch.nn.Module, prefix: str, *, all_wgrad: bool = False) -> list[Slot]:
@@ -122,7 +159,9 @@ def _container_spec(module: torch.nn.Module, path: str) -> TargetSpec | None:
         if sub is module or not has_fused_wgrad(sub):
             continue
         slots.extend(_direct_slots(sub, f"{subpath}."))
-    return TargetSpec(module, path, CONTAINER, slots) if slots else None
+    if not slots:
+        return None
+    return TargetSpec(module, path, CONTAINER, slots, lenient=not _needs_main_grad_at_forward(module))
 
 
 def _sequential_spec(module: torch.nn.Module, path: str) -> TargetSpec | None:

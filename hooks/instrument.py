@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .discovery import CONTAINER, TargetSpec
+from .discovery import CONTAINER, TargetSpec, fused_object
 from .errors import MainGradContractError, MainGradHooksWarning
 from .records import (
     A_ERROR,
@@ -296,7 +296,8 @@ class Site:
 
     # -- hooks -----------------------------------------------------------------------------------------
     def container_pre_forward(self, module: torch.nn.Module, args: Any = None) -> None:
-        """Pre-hook of a container keeping its fused object in `_fused_ops` (megatron-core TEGroupedMLP).
+        """Pre-hook of a container keeping its fused object in `_fused_ops` or `_fused_impl` (megatron-core
+        TEGroupedMLP, TEFusedMLP*).
 
         Once the fused object exists (built lazily in the first forward), the work moves to a pre-hook on it,
         appended after the container's own pre-hook there, which replays the children's (Megatron-FSDP
@@ -309,9 +310,8 @@ class Site:
         if not rt.live:
             return None
         try:
-            fused = module.__dict__.get("_fused_ops")
-            if type(fused) is tuple and len(fused) == 1 and isinstance(fused[0], torch.nn.Module):
-                target = fused[0]
+            target = fused_object(module)
+            if target is not None:
                 late = self.late_ref() if self.late_ref is not None else None
                 if late is not target:
                     if self.late_handle is not None:

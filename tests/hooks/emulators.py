@@ -17,6 +17,11 @@ Written from megatron-core 0.18.2 / 0.19.2 (`TEGroupedMLP`, Megatron-FSDP) and T
   pre-forward hook on the Sequential replaying the children's pre-forward hooks as hook(submodule, None)
   (raising if one returns a value). `GroupedMLP019` (0.19.x) ends that hook with `_ensure_main_grad_for_fused_impl`
   (expose main_grad when None, then overwrite_main_grad=True where the attribute exists).
+- `FusedMLPWithGroupedLinear`: megatron-core 0.19.x TEFusedMLPWithGroupedLinear. Fused path: `_fused_impl`
+  tuple built on the first forward (GroupedLinear(num_groups=1) op shells adopting linear_fc1/linear_fc2's
+  `weight0`), with a pre-forward hook on the Sequential replaying the pre-forward hooks of EVERY module of the container,
+  itself included, as hook(submodule, ()) (or hook(submodule, (), {}) for with_kwargs hooks). It exposes
+  nothing: the first fused forward under Megatron-FSDP fails (rule MG001's finding in 0.19.2).
 - `MegatronFSDP`: Megatron-FSDP at world size 1. At wrap: grad_added_to_main_grad=False, __fsdp_param__=True,
   get_main_grad bound on every parameter (main_grad absent). get_main_grad() returns a view of the persistent
   fp32 buffer (no_shard, optim) or of a temporary bucket filled with NaN, like uninitialised memory
@@ -325,6 +330,65 @@ class GroupedMLPMaingradFixed(GroupedMLP):
     _ensure_main_grad_for_fused_impl = _expose_main_grad_for_fused_ops
 
 
+class FusedMLPWithGroupedLinear(torch.nn.Module):
+    """TEFusedMLPWithGroupedLinear: FC1 -> SiLU -> FC2 as one-group GroupedLinear ops in `_fused_impl`."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        ffn: int,
+        *,
+        fused: bool = True,
+        fuse_wgrad_accumulation: bool = True,
+    ) -> None:
+        super().__init__()
+        del num_experts  # a dense MLP: one group over every token
+        self.linear_fc1 = GroupedLinear(1, hidden, ffn, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        self.linear_fc2 = GroupedLinear(1, ffn, hidden, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        self._with_fused_impl = fused
+        self._fused_impl: tuple[torch.nn.Module] | None = None
+
+    def _make_fused_impl(self) -> torch.nn.Module:
+        ops = []
+        for linear in (self.linear_fc1, self.linear_fc2):
+            op = OpGroupedLinear(
+                1,
+                linear.in_features,
+                linear.out_features,
+                accumulate_into_main_grad=linear.fuse_wgrad_accumulation,
+                device="meta",
+            )
+            op.weight0 = linear.weight0
+            ops.append(op)
+        fused_impl = Sequential(ops[0], OpSiLU(), ops[1])
+        self._register_hooks_on_fused_impl(fused_impl)
+        return fused_impl
+
+    def _register_hooks_on_fused_impl(self, fused_impl: torch.nn.Module) -> None:
+        hooks = [
+            (sub, hook, hook_id in sub._forward_pre_hooks_with_kwargs)
+            for sub in self.modules()
+            for hook_id, hook in sub._forward_pre_hooks.items()
+        ]
+
+        def forward_pre_hook(module, *_):
+            for sub, hook, with_kwargs in hooks:
+                ret = hook(sub, (), {}) if with_kwargs else hook(sub, ())
+                if ret is not None:
+                    raise RuntimeError(f"{type(sub).__name__} has a pre-forward hook that modifies the input")
+
+        fused_impl.register_forward_pre_hook(forward_pre_hook)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> tuple[torch.Tensor, None]:
+        tokens = (x.shape[0],)
+        if self._with_fused_impl:
+            if self._fused_impl is None:
+                self._fused_impl = (self._make_fused_impl(),)
+            return self._fused_impl[0](x, tokens, tokens), None
+        return self.linear_fc2(F.silu(self.linear_fc1(x, tokens)), tokens), None
+
+
 class MoELayer(torch.nn.Module):
     """A plain projection (not fused) feeding the experts, so ordinary parameters flow through FSDP too."""
 
@@ -333,8 +397,10 @@ class MoELayer(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(hidden, hidden)
-        if version.startswith("0.19"):
-            mlp_class: type[GroupedMLP] = GroupedMLP019
+        if version == "0.19.2-dense":
+            mlp_class: type[torch.nn.Module] = FusedMLPWithGroupedLinear
+        elif version.startswith("0.19"):
+            mlp_class = GroupedMLP019
         elif version.endswith("+maingrad-fix"):
             mlp_class = GroupedMLPMaingradFixed
         else:
@@ -553,9 +619,11 @@ def batches(steps: int, microbatches: int, seed: int = 7) -> list[list[tuple[tor
     ]
 
 
-def reference_run(data, lr: float = 0.1, seed: int = 0) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+def reference_run(
+    data, lr: float = 0.1, seed: int = 0, version: str = "0.18.2"
+) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     """Plain autograd, no fusion, no wrapper: gradients summed over micro-batches, SGD per step."""
-    layer = make_layer(seed=seed, fused=False, fuse=False)
+    layer = make_layer(seed=seed, fused=False, fuse=False, version=version)
     grads, losses = [], []
     for step_data in data:
         layer.zero_grad(set_to_none=True)
