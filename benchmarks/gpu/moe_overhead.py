@@ -5,7 +5,8 @@ Megatron-FSDP, built as tests/gpu/mcore_hooks.py builds it. Identical models, on
 (A B C D A B C D ...); each round gives every model another variant (no hooks, `fix`, `observe`, `fix`
 without records), so a model's
 own placement or a slow moment hits every variant alike. Each step (zero_grad_buffer -> MB forward/backward
--> finish_grad_sync) is timed with CUDA events after one untimed step per install. Reported per variant:
+-> finish_grad_sync, then the handle's step-boundary flush) is timed with CUDA events after one untimed step
+per install. Reported per variant:
 the median step, and the median of the ratios of steps taken side by side in the same tick (paired, the
 robust number on a CPU-bound, jittery step).
 
@@ -79,10 +80,14 @@ def step(model, x, tgt) -> None:
     model.finish_grad_sync()
 
 
-def timed_step(model, x, tgt) -> float:
+def timed_step(model, x, tgt, handle=None) -> float:
+    """One step in CUDA-event milliseconds; with a handle, its step-boundary flush is inside the timed span
+    (training pays for it at every step)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     step(model, x, tgt)
+    if handle is not None:
+        handle.step()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end)
@@ -106,9 +111,7 @@ def compare(models, x, tgt) -> tuple[dict[str, list[float]], dict[str, list[floa
         for _ in range(STEPS):
             tick = {}
             for model, variant in zip(models, variant_of, strict=True):
-                tick[variant] = timed_step(model, x, tgt)
-                if variant in handles:
-                    handles[variant].step()  # flush at the step boundary, outside the timed step
+                tick[variant] = timed_step(model, x, tgt, handles.get(variant))
             for variant in VARIANTS:
                 samples[variant].append(tick[variant])
             for variant in paired:

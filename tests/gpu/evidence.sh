@@ -6,6 +6,8 @@
 #   bash tests/gpu/evidence.sh service    # run 3: hooks' HTTP sink -> maingrad serve on loopback -> gate
 #   bash tests/gpu/evidence.sh overhead   # run 4: hooks' share of a 64-expert MoE step (CUDA events);
 #                                         # TAG names the log (overhead-$TAG.log)
+#   bash tests/gpu/evidence.sh dense      # MG001's 0.19.2 finding: TEFusedMLPWithGroupedLinear under
+#                                         # Megatron-FSDP as shipped, with the hooks, and `maingrad fix`ed
 set -u
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -95,6 +97,18 @@ except Exception as exc:  # noqa: BLE001
 for run in runs:
     print(json.dumps(run)[:700])
 PY
+    ;;
+  dense)
+    D="--mlp dense-grouped --mb 2"
+    hooks_run dense-ogp-mb2 /tmp/mc19 $D --strategy optim_grads_params
+    hooks_run dense-optim-mb2 /tmp/mc19 $D --strategy optim --no-sync --cases fused hooks nonfused plain
+    TE_PY=megatron/core/extensions/transformer_engine.py
+    rm -rf /tmp/mc19fix && cp -r /tmp/mc19 /tmp/mc19fix
+    maingrad fix /tmp/mc19fix/$TE_PY > "$OUT/fix-dense.log" 2>&1; echo "maingrad fix rc=$? ($(tail -1 "$OUT/fix-dense.log"))"
+    diff -u /tmp/mc19/$TE_PY /tmp/mc19fix/$TE_PY > "$OUT/transformer_engine-fix.diff"
+    echo "diff: $(grep -c '^+[^+]' "$OUT/transformer_engine-fix.diff") lines added, $(grep -c '^-[^-]' "$OUT/transformer_engine-fix.diff") removed"
+    maingrad check /tmp/mc19fix/$TE_PY --select MG001 --no-cache; echo "check MG001 on the fixed file: rc=$?"
+    hooks_run dense-fixed-ogp-mb2 /tmp/mc19fix $D --strategy optim_grads_params --no-sync --cases fused nonfused plain
     ;;
   overhead)
     NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 PYTHONPATH=$MG:/tmp/site:/tmp/mc19 timeout 400 python3 benchmarks/gpu/moe_overhead.py \

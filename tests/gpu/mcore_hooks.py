@@ -15,6 +15,12 @@ Cases (--cases, default: fused hooks check nonfused, plus shipped when megatron-
   plain     nonfused and gradient_accumulation_fusion=False: autograd .grad, accumulated by Megatron-FSDP itself.
             The reference for lost micro-batches: the nonfused path reads overwrite_main_grad too, so when a
             flag makes the fused backward overwrite an earlier micro-batch, nonfused loses it the same way.
+--mlp dense-grouped (megatron-core >= 0.19) builds a dense layer whose MLP is TEFusedMLPWithGroupedLinear
+(`use_grouped_gemm_for_dense_mlp` + `use_transformer_engine_op_fuser`; rule MG001's remaining finding in 0.19.2)
+instead of the MoE block. That class always quantizes (MXFP8 by default, which an H200 cannot run), so its
+`_recipe` is set to FP8 current scaling before the first forward; the main_grad check in TE's GroupedLinear
+`fuser_forward` comes before any quantization, so the recipe does not change what is tested. Its references
+(nonfused, plain) run in bf16, so their gradient differences include FP8 rounding.
 On megatron-core >= 0.19 its own TEGroupedMLP._ensure_main_grad is replaced by a no-op for fused/hooks/check
 (--keep-upstream leaves it), so the hooks are what fixes the path. Every case builds a one-layer MoE
 TransformerBlock (E experts, top-2, SwiGLU, bf16, gradient_accumulation_fusion=True) wrapped in Megatron-FSDP
@@ -82,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--keep-upstream", action="store_true", help="do not disable megatron-core 0.19's exposure"
     )
     p.add_argument("--no-sync", dest="sync", action="store_false", help="skip the sync-debug checks")
+    p.add_argument("--mlp", default=env("MLP", "moe"), choices=["moe", "dense-grouped"])
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=256)
@@ -102,18 +109,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_config(args: argparse.Namespace, fused: bool, fusion: bool = True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if args.mlp == "dense-grouped":
+        layer = {"ffn_hidden_size": args.ffn, "use_grouped_gemm_for_dense_mlp": True}
+    else:
+        layer = {
+            "ffn_hidden_size": 2 * args.hidden,
+            "num_moe_experts": args.experts,
+            "moe_router_topk": 2,
+            "moe_ffn_hidden_size": args.ffn,
+            "moe_grouped_gemm": True,
+            "moe_token_dispatcher_type": "alltoall",
+            "moe_router_load_balancing_type": "none",
+            "moe_aux_loss_coeff": 0.0,
+        }
     return TransformerConfig(
         num_layers=1,
         hidden_size=args.hidden,
         num_attention_heads=4,
-        ffn_hidden_size=2 * args.hidden,
-        num_moe_experts=args.experts,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=args.ffn,
-        moe_grouped_gemm=True,
-        moe_token_dispatcher_type="alltoall",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
+        **layer,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -150,7 +163,14 @@ def build(args: argparse.Namespace, fused: bool, fusion: bool = True, seed: int 
     class Net(MegatronModule):
         def __init__(self, config):
             super().__init__(config=config)
-            spec = get_gpt_layer_with_transformer_engine_spec(num_experts=args.experts, moe_grouped_gemm=True)
+            if args.mlp == "dense-grouped":
+                spec = get_gpt_layer_with_transformer_engine_spec(
+                    use_te_op_fuser=fused, use_grouped_gemm_for_dense_mlp=True
+                )
+            else:
+                spec = get_gpt_layer_with_transformer_engine_spec(
+                    num_experts=args.experts, moe_grouped_gemm=True
+                )
             self.decoder = TransformerBlock(config=config, spec=spec)
 
         def forward(self, x):
@@ -161,6 +181,12 @@ def build(args: argparse.Namespace, fused: bool, fusion: bool = True, seed: int 
     model_parallel_cuda_manual_seed(seed)
     cfg = make_config(args, fused, fusion)
     net = Net(cfg).cuda()
+    if args.mlp == "dense-grouped":
+        from transformer_engine.common.recipe import Float8CurrentScaling
+
+        for module in net.modules():
+            if type(module).__name__ == "TEFusedMLPWithGroupedLinear":
+                module._recipe = Float8CurrentScaling()  # read (once) by its forward; MXFP8 needs SM100
     return FullyShardedDataParallel(config=cfg, ddp_config=make_ddp_config(args.strategy), module=net)
 
 
@@ -454,7 +480,7 @@ def print_table(args, versions: dict, results: list[dict]) -> None:
     log(
         f"\nmaingrad hooks on megatron-core {versions['megatron_core']} + TE {versions['transformer_engine']}, "
         f"torch {versions['torch']}, {versions['device']}; strategy={args.strategy} mb={args.mb} "
-        f"steps={args.steps} world={WORLD} policy={args.policy}"
+        f"steps={args.steps} world={WORLD} policy={args.policy} mlp={args.mlp}"
     )
     header = (
         "case",
@@ -521,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(LOCAL_RANK),
         "upstream_fix": has_upstream_fix(),
     }
-    shipped = ["shipped"] if has_upstream_fix() else []
+    shipped = ["shipped"] if has_upstream_fix() and args.mlp == "moe" else []
     cases = args.cases or ["fused", "hooks", "check", *shipped, "nonfused", "plain"]
     results = [run_case(args, case) for case in cases]
     nonfused = next((r for r in results if r["case"] == "nonfused"), None)
