@@ -4,9 +4,10 @@ What is instrumented is the module that is actually *called* before the fused GE
 always the one holding the flag:
 - TE op-fuser ops (`accumulate_into_main_grad=True`) inside a `te.ops.Sequential` never run their own module
   hooks (the Sequential hands them to a plain fuser object), so the outermost such Sequential is the target.
-- megatron-core's `TEGroupedMLP` keeps its op-fuser Sequential in the `_fused_ops` tuple, and its dense
-  `TEFusedMLP` / `TEFusedMLPWithGroupedLinear` in `_fused_impl`, outside the module tree; the container is the
-  target and covers every parameter of its fused-wgrad children.
+- megatron-core's `TEGroupedMLP` keeps its op-fuser Sequential in the `_fused_ops` tuple, its dense
+  `TEFusedMLP` / `TEFusedMLPWithGroupedLinear` in `_fused_impl` and `FusedSharedExpertMLP` in
+  `_fused_grouped_swiglu_ops`, outside the module tree; the container is the target and covers every
+  parameter of its fused-wgrad children.
 - TE modules (`fuse_wgrad_accumulation=True`) and Megatron's own linears (`gradient_accumulation_fusion=True`)
   are called normally and are their own targets.
 Classes are matched with isinstance when Transformer Engine / megatron-core are already imported (never
@@ -92,8 +93,9 @@ def is_megatron_fused_linear(module: torch.nn.Module) -> bool:
 
 
 # Attributes in which megatron-core containers keep their op-fuser Sequential as a one-element tuple (so that
-# it stays outside the module tree), built lazily on the first forward: TEGroupedMLP, TEFusedMLP*.
-FUSED_ATTRS = ("_fused_ops", "_fused_impl")
+# it stays outside the module tree), built lazily on the first forward: TEGroupedMLP, TEFusedMLP*,
+# FusedSharedExpertMLP.
+FUSED_ATTRS = ("_fused_ops", "_fused_impl", "_fused_grouped_swiglu_ops")
 
 
 def fused_attr(module: torch.nn.Module) -> str | None:
@@ -125,15 +127,16 @@ def _needs_main_grad_at_forward(container: torch.nn.Module) -> bool:
     """Does the container's fused path check main_grad in forward (TE's op-fuser GroupedLinear does; its
     BasicLinear reads it only in backward, refreshing it from get_main_grad for Megatron-FSDP parameters)?
 
-    `_fused_ops` holds GroupedLinear ops (TEGroupedMLP). A `_fused_impl` container is decided by its ops once
-    built, and before that by its class: megatron-core's `TEFusedMLPWithGroupedLinear` builds GroupedLinear
-    ops, `TEFusedMLP` BasicLinear ones.
+    Decided by the fused object's ops once built. Before that (install precedes the first forward): by the
+    attribute, `_fused_ops` (TEGroupedMLP) and `_fused_grouped_swiglu_ops` (FusedSharedExpertMLP) hold
+    GroupedLinear ops; `_fused_impl` by the class, megatron-core's `TEFusedMLPWithGroupedLinear` builds
+    GroupedLinear ops, `TEFusedMLP` BasicLinear ones.
     """
-    if fused_attr(container) == "_fused_ops":
-        return True
     fused = fused_object(container)
     if fused is not None:
         return any(type(op).__name__ == "GroupedLinear" and is_fused_op(op) for op in fused.modules())
+    if fused_attr(container) != "_fused_impl":
+        return True
     return any("GroupedLinear" in cls.__name__ for cls in type(container).__mro__)
 
 

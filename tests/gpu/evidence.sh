@@ -6,8 +6,9 @@
 #   bash tests/gpu/evidence.sh service    # run 3: hooks' HTTP sink -> maingrad serve on loopback -> gate
 #   bash tests/gpu/evidence.sh overhead   # run 4: hooks' share of a 64-expert MoE step (CUDA events);
 #                                         # TAG names the log (overhead-$TAG.log)
-#   bash tests/gpu/evidence.sh dense      # MG001's 0.19.2 finding: TEFusedMLPWithGroupedLinear under
-#                                         # Megatron-FSDP as shipped, with the hooks, and `maingrad fix`ed
+#   bash tests/gpu/evidence.sh dense      # MG001's 0.19.2 findings: TEFusedMLPWithGroupedLinear and
+#                                         # FusedSharedExpertMLP under Megatron-FSDP as shipped, with the
+#                                         # hooks, and `maingrad fix`ed
 set -u
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -99,16 +100,20 @@ for run in runs:
 PY
     ;;
   dense)
-    D="--mlp dense-grouped --mb 2"
+    D="--mlp dense-grouped --mb 2" S="--mlp shared-grouped --mb 2"
     hooks_run dense-ogp-mb2 /tmp/mc19 $D --strategy optim_grads_params
     hooks_run dense-optim-mb2 /tmp/mc19 $D --strategy optim --no-sync --cases fused hooks nonfused plain
-    TE_PY=megatron/core/extensions/transformer_engine.py
+    hooks_run shared-ogp-mb2 /tmp/mc19 $S --strategy optim_grads_params --no-sync --cases fused hooks check nonfused plain
     rm -rf /tmp/mc19fix && cp -r /tmp/mc19 /tmp/mc19fix
-    maingrad fix /tmp/mc19fix/$TE_PY > "$OUT/fix-dense.log" 2>&1; echo "maingrad fix rc=$? ($(tail -1 "$OUT/fix-dense.log"))"
-    diff -u /tmp/mc19/$TE_PY /tmp/mc19fix/$TE_PY > "$OUT/transformer_engine-fix.diff"
-    echo "diff: $(grep -c '^+[^+]' "$OUT/transformer_engine-fix.diff") lines added, $(grep -c '^-[^-]' "$OUT/transformer_engine-fix.diff") removed"
-    maingrad check /tmp/mc19fix/$TE_PY --select MG001 --no-cache; echo "check MG001 on the fixed file: rc=$?"
+    for f in megatron/core/extensions/transformer_engine.py megatron/core/transformer/moe/shared_experts.py; do
+      b=$(basename $f .py)
+      maingrad fix /tmp/mc19fix/$f > "$OUT/fix-$b.log" 2>&1; echo "maingrad fix $b rc=$? ($(tail -1 "$OUT/fix-$b.log"))"
+      diff -u /tmp/mc19/$f /tmp/mc19fix/$f > "$OUT/$b-fix.diff"
+      echo "diff: $(grep -c '^+[^+]' "$OUT/$b-fix.diff") lines added, $(grep -c '^-[^-]' "$OUT/$b-fix.diff") removed"
+      maingrad check /tmp/mc19fix/$f --select MG001 --no-cache; echo "check MG001 on the fixed $b: rc=$?"
+    done
     hooks_run dense-fixed-ogp-mb2 /tmp/mc19fix $D --strategy optim_grads_params --no-sync --cases fused nonfused plain
+    hooks_run shared-fixed-ogp-mb2 /tmp/mc19fix $S --strategy optim_grads_params --no-sync --cases fused nonfused plain
     ;;
   overhead)
     NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 PYTHONPATH=$MG:/tmp/site:/tmp/mc19 timeout 400 python3 benchmarks/gpu/moe_overhead.py \

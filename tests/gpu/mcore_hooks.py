@@ -21,6 +21,9 @@ instead of the MoE block. That class always quantizes (MXFP8 by default, which a
 `_recipe` is set to FP8 current scaling before the first forward; the main_grad check in TE's GroupedLinear
 `fuser_forward` comes before any quantization, so the recipe does not change what is tested. Its references
 (nonfused, plain) run in bf16, so their gradient differences include FP8 rounding.
+--mlp shared-grouped: the MoE block with a shared expert; "fused" there means FusedSharedExpertMLP
+(`use_grouped_gemm_for_shared_expert`, the other 0.19.2 MG001 finding; its FP8 recipe is likewise set to current
+scaling), the routed experts run TE's GroupedLinear modules in every case.
 On megatron-core >= 0.19 its own TEGroupedMLP._ensure_main_grad is replaced by a no-op for fused/hooks/check
 (--keep-upstream leaves it), so the hooks are what fixes the path. Every case builds a one-layer MoE
 TransformerBlock (E experts, top-2, SwiGLU, bf16, gradient_accumulation_fusion=True) wrapped in Megatron-FSDP
@@ -88,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--keep-upstream", action="store_true", help="do not disable megatron-core 0.19's exposure"
     )
     p.add_argument("--no-sync", dest="sync", action="store_false", help="skip the sync-debug checks")
-    p.add_argument("--mlp", default=env("MLP", "moe"), choices=["moe", "dense-grouped"])
+    p.add_argument("--mlp", default=env("MLP", "moe"), choices=["moe", "dense-grouped", "shared-grouped"])
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=256)
@@ -112,7 +115,15 @@ def make_config(args: argparse.Namespace, fused: bool, fusion: bool = True):
     if args.mlp == "dense-grouped":
         layer = {"ffn_hidden_size": args.ffn, "use_grouped_gemm_for_dense_mlp": True}
     else:
-        layer = {
+        layer = {}
+        if args.mlp == "shared-grouped":
+            layer = {
+                "moe_shared_expert_intermediate_size": args.ffn,
+                "use_grouped_gemm_for_shared_expert": fused,
+                "moe_shared_expert_glu_interleave_size": 32 if fused else None,
+            }
+            fused = False  # the routed experts: TE GroupedLinear modules
+        layer |= {
             "ffn_hidden_size": 2 * args.hidden,
             "num_moe_experts": args.experts,
             "moe_router_topk": 2,
@@ -187,6 +198,12 @@ def build(args: argparse.Namespace, fused: bool, fusion: bool = True, seed: int 
         for module in net.modules():
             if type(module).__name__ == "TEFusedMLPWithGroupedLinear":
                 module._recipe = Float8CurrentScaling()  # read (once) by its forward; MXFP8 needs SM100
+    if args.mlp == "shared-grouped":
+        from transformer_engine.common.recipe import Float8CurrentScaling
+
+        for module in net.modules():
+            if type(module).__name__ == "FusedSharedExpertMLP":
+                module._fused_grouped_swiglu_recipe = Float8CurrentScaling()
     return FullyShardedDataParallel(config=cfg, ddp_config=make_ddp_config(args.strategy), module=net)
 
 
