@@ -7,8 +7,8 @@
 #   bash tests/gpu/evidence.sh overhead   # run 4: hooks' share of a 64-expert MoE step (CUDA events);
 #                                         # TAG names the log (overhead-$TAG.log)
 #   bash tests/gpu/evidence.sh dense      # MG001's 0.19.2 findings: TEFusedMLPWithGroupedLinear and
-#                                         # FusedSharedExpertMLP under Megatron-FSDP as shipped, with the
-#                                         # hooks, and `maingrad fix`ed
+#                                         # FusedSharedExpertMLP under Megatron-FSDP as shipped and with hooks
+#   bash tests/gpu/evidence.sh dense-fixed  # the same two classes after `maingrad fix` on their sources
 set -u
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -104,15 +104,24 @@ PY
     hooks_run dense-ogp-mb2 /tmp/mc19 $D --strategy optim_grads_params
     hooks_run dense-optim-mb2 /tmp/mc19 $D --strategy optim --no-sync --cases fused hooks nonfused plain
     hooks_run shared-ogp-mb2 /tmp/mc19 $S --strategy optim_grads_params --no-sync --cases fused hooks check nonfused plain
+    ;;
+  dense-fixed)
+    # FIXED holds the two files after `maingrad fix` on the CPU machine (libcst is not on the device):
+    #   cp $MC19/megatron/core/{extensions/transformer_engine.py,transformer/moe/shared_experts.py} .gpu/mc19fix/
+    #   maingrad fix .gpu/mc19fix/    # then carry .gpu/mc19fix
+    FIXED=${FIXED:-.gpu/mc19fix}
+    D="--mlp dense-grouped --mb 2 --per-param" S="--mlp shared-grouped --mb 2"
     rm -rf /tmp/mc19fix && cp -r /tmp/mc19 /tmp/mc19fix
+    cp $FIXED/transformer_engine.py /tmp/mc19fix/megatron/core/extensions/transformer_engine.py
+    cp $FIXED/shared_experts.py /tmp/mc19fix/megatron/core/transformer/moe/shared_experts.py
     for f in megatron/core/extensions/transformer_engine.py megatron/core/transformer/moe/shared_experts.py; do
       b=$(basename $f .py)
-      maingrad fix /tmp/mc19fix/$f > "$OUT/fix-$b.log" 2>&1; echo "maingrad fix $b rc=$? ($(tail -1 "$OUT/fix-$b.log"))"
       diff -u /tmp/mc19/$f /tmp/mc19fix/$f > "$OUT/$b-fix.diff"
-      echo "diff: $(grep -c '^+[^+]' "$OUT/$b-fix.diff") lines added, $(grep -c '^-[^-]' "$OUT/$b-fix.diff") removed"
-      maingrad check /tmp/mc19fix/$f --select MG001 --no-cache; echo "check MG001 on the fixed $b: rc=$?"
+      echo "$b: $(grep -c '^+[^+]' "$OUT/$b-fix.diff") lines added, $(grep -c '^-[^-]' "$OUT/$b-fix.diff") removed"
     done
     hooks_run dense-fixed-ogp-mb2 /tmp/mc19fix $D --strategy optim_grads_params --no-sync --cases fused nonfused plain
+    hooks_run dense-fixed-noshard-mb2 /tmp/mc19fix $D --strategy no_shard --no-sync --cases fused nonfused plain
+    hooks_run dense-fixed-noshard-mb1 /tmp/mc19fix $D --strategy no_shard --mb 1 --no-sync --cases fused nonfused plain
     hooks_run shared-fixed-ogp-mb2 /tmp/mc19fix $S --strategy optim_grads_params --no-sync --cases fused nonfused plain
     ;;
   overhead)

@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--keep-upstream", action="store_true", help="do not disable megatron-core 0.19's exposure"
     )
     p.add_argument("--no-sync", dest="sync", action="store_false", help="skip the sync-debug checks")
+    p.add_argument("--per-param", action="store_true", help="print every parameter's difference")
     p.add_argument("--mlp", default=env("MLP", "moe"), choices=["moe", "dense-grouped", "shared-grouped"])
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -467,12 +468,15 @@ def compare(result: dict, reference: dict) -> dict:
     if not (result["ok"] and reference["ok"]):
         return {}
     worst, worst_name, loss_rel = 0.0, None, 0.0
+    per_param: dict[str, float] = {}
     for got, ref in zip(result["grads"], reference["grads"], strict=False):
         for name, g_ref in ref.items():
             g = got.get(name)
             if g is None or g.numel() != g_ref.numel():
                 return {"max_rel": float("inf"), "worst": f"{name} missing/mismatched"}
             rel = ((g - g_ref).norm() / (g_ref.norm() + 1e-12)).item()
+            short = name.split("layers.0.")[-1]
+            per_param[short] = max(per_param.get(short, 0.0), rel)
             if rel > worst:
                 worst, worst_name = rel, name
     for la, lb in zip(result["losses"], reference["losses"], strict=False):
@@ -484,6 +488,7 @@ def compare(result: dict, reference: dict) -> dict:
         "max_rel": values[0].item(),
         "loss_rel": values[1].item(),
         "worst": (worst_name or "").split("layers.0.")[-1],
+        "per_param": per_param,
     }
 
 
@@ -538,6 +543,9 @@ def print_table(args, versions: dict, results: list[dict]) -> None:
         for key in ("compare", "compare_plain"):
             if r.get(key, {}).get("worst"):
                 log(f"  {r['case']} {key}: worst {r[key]['worst']} ({r[key]['max_rel']:.2e})")
+            if args.per_param and r.get(key, {}).get("per_param"):
+                rels = ", ".join(f"{n} {v:.2e}" for n, v in sorted(r[key]["per_param"].items()))
+                log(f"  {r['case']} {key} per parameter: {rels}")
         if r["error"]:
             log(f"  {r['case']}: {r['error']}")
         if r.get("sync"):
