@@ -8,7 +8,7 @@ own placement or a slow moment hits every variant alike. Each step (zero_grad_bu
 -> finish_grad_sync, then the handle's step-boundary flush) is timed with CUDA events after one untimed step
 per install. Reported per variant:
 the median step, and the median of the ratios of steps taken side by side in the same tick (paired, the
-robust number on a CPU-bound, jittery step).
+robust number on a CPU-bound, jittery step) with its 95% bootstrap interval.
 
 A second, direct estimate: the hooks' own CPU time per step = their calls per step x the cost of one call of
 each installed hook body (timed on the real sites, mid-step), over the median step without hooks. A third,
@@ -122,6 +122,16 @@ def compare(models, x, tgt) -> tuple[dict[str, list[float]], dict[str, list[floa
     return samples, paired, {v: calls[v] / (ROUNDS * (STEPS + 1)) for v in calls}
 
 
+def bootstrap_ci(ratios: list[float], resamples: int = 2000, seed: int = 3) -> tuple[float, float]:
+    """95% bootstrap interval of the paired median's overhead in percent: is a difference of this size real?"""
+    import random
+
+    rng = random.Random(seed)
+    n = len(ratios)
+    medians = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(resamples))
+    return (medians[int(0.025 * resamples)] - 1) * 100, (medians[int(0.975 * resamples) - 1] - 1) * 100
+
+
 def direct_cost(model, x, tgt, mode: str) -> tuple[float, int]:
     """CPU seconds of the installed hook bodies per step: each site's forward and backward body timed mid-step
     (parameters unsharded, main_grad exposed: the state they run in), times its calls in one real step."""
@@ -222,15 +232,18 @@ def main() -> None:
     )
     print(
         f"{'variant':<10}{'median ms':>11}{'p10 ms':>9}{'p90 ms':>9}{'median vs none':>16}{'paired median':>15}"
+        f"{'95% CI':>18}"
     )
     for variant in VARIANTS:
         s = sorted(samples[variant])
         med = statistics.median(s)
-        pair = (
-            f"{(statistics.median(paired[variant]) - 1) * 100:>14.2f}%"
-            if variant in paired
-            else f"{'ref':>15}"
-        )
+        if variant in paired:
+            low, high = bootstrap_ci(paired[variant])
+            pair = (
+                f"{(statistics.median(paired[variant]) - 1) * 100:>14.2f}%{f'{low:+.2f}..{high:+.2f}%':>18}"
+            )
+        else:
+            pair = f"{'ref':>15}"
         print(
             f"{variant:<10}{med:>11.3f}{s[len(s) // 10]:>9.3f}{s[(9 * len(s)) // 10]:>9.3f}"
             f"{(med - base) / base * 100:>15.2f}%{pair}"
