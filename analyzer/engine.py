@@ -2,6 +2,10 @@
 
 It owns everything rules must not care about: parsing, positions, fingerprints, snippets and applying
 fixes. Discovery, config, caching and workers live in their own modules and call `analyze_source`.
+
+Two pre-filters run before the libcst parse: the text needles (`needed_rules`), then the syntax gate
+(`gated_rules`, see `maingrad.analyzer.syntax_index`): a file no active rule passes is not parsed, exactly
+like a file no needle matches. `gate=False` (or `MAINGRAD_NO_GATE=1`) skips the second stage.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.positions import LazyPositions
 from maingrad.analyzer.report import Finding, ParseError, Severity, fingerprint
 from maingrad.analyzer.rules.base import Fix, Rule, Violation
+from maingrad.analyzer.syntax_index import build_index, gate_enabled
 
 SNIPPET_MAX_LINES = 20
 
@@ -39,6 +44,37 @@ def needed_rules(source: str, rules: Sequence[Rule]) -> list[Rule]:
     return [rule for rule in rules if needles_match(rule.needles, source)]
 
 
+def gated_rules(
+    source: str,
+    path: str,
+    rules: Sequence[Rule],
+    settings: RuleSettings,
+    gate: bool | None = None,
+    catch_gate_errors: bool = False,
+) -> list[Rule]:
+    """The syntax gate: the rules (already past their needles) whose `gate` passes on the file's
+    SyntaxIndex. Rules without a gate always pass; when the stdlib parser cannot read the file there is no
+    index and every rule passes (libcst then parses it and reports its error as without the gate). A gate
+    that raises propagates (tests see gate bugs) unless `catch_gate_errors`: then its rule passes, which
+    is always sound."""
+    if not rules or not gate_enabled(gate) or not any(rule.has_gate() for rule in rules):
+        return list(rules)
+    index = build_index(source, path)
+    if index is None:
+        return list(rules)
+    passed: list[Rule] = []
+    for rule in rules:
+        try:
+            keep = not rule.has_gate() or rule.gate(index, settings)
+        except Exception:
+            if not catch_gate_errors:
+                raise
+            keep = True
+        if keep:
+            passed.append(rule)
+    return passed
+
+
 def parse(source: str, path: str) -> cst.Module | ParseError:
     try:
         return cst.parse_module(source)
@@ -59,11 +95,14 @@ def analyze_source(
     settings: RuleSettings | None = None,
     severities: dict[str, Severity] | None = None,
     catch_rule_errors: bool = False,
+    gate: bool | None = None,
 ) -> FileResult:
     """Findings of `rules` on one file. A rule that raises propagates (tests see rule bugs) unless
-    `catch_rule_errors`, where the scan records it in `rule_errors` and keeps the other rules' findings."""
+    `catch_rule_errors`, where the scan records it in `rule_errors` and keeps the other rules' findings.
+    `gate`: apply the syntax gate (default: unless `MAINGRAD_NO_GATE` is set)."""
     result = FileResult(path=path)
-    active = needed_rules(source, rules)
+    settings = settings or RuleSettings()
+    active = gated_rules(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
     if not active:
         return result
     parsed = parse(source, path)
@@ -71,7 +110,7 @@ def analyze_source(
         result.parse_error = parsed
         return result
     result.parsed = True
-    ctx = FileContext(path=path, source=source, module=parsed, settings=settings or RuleSettings())
+    ctx = FileContext(path=path, source=source, module=parsed, settings=settings)
     collected: list[tuple[Rule, Violation]] = []
     for rule in active:
         if not catch_rule_errors:
@@ -163,24 +202,27 @@ def fix_source(
     unsafe: bool = False,
     max_rounds: int = 4,
     honor_suppressions: bool = False,
+    gate: bool | None = None,
 ) -> str:
     """Source after applying every (safe, or also unsafe) fix, repeated until nothing changes.
 
-    Unparsable input is returned unchanged. Each round re-parses, so fixes never see stale nodes. With
-    `honor_suppressions`, violations silenced by a `# maingrad: ignore` comment are not fixed either.
+    Unparsable input is returned unchanged. Each round re-parses (and re-gates), so fixes never see stale
+    nodes. With `honor_suppressions`, violations silenced by a `# maingrad: ignore` comment are not fixed
+    either. `gate` as in `analyze_source`.
     """
     from maingrad.analyzer.fixes import apply_fixes
     from maingrad.analyzer.suppressions import parse_suppressions
 
+    settings = settings or RuleSettings()
     current = source
     for _ in range(max_rounds):
-        active = needed_rules(current, rules)
+        active = gated_rules(current, path, needed_rules(current, rules), settings, gate)
         if not active:
             return current
         parsed = parse(current, path)
         if isinstance(parsed, ParseError):
             return current
-        ctx = FileContext(path=path, source=current, module=parsed, settings=settings or RuleSettings())
+        ctx = FileContext(path=path, source=current, module=parsed, settings=settings)
         suppressions = parse_suppressions(current) if honor_suppressions else None
         positions = _positions(ctx)
         fixes = []

@@ -92,12 +92,7 @@ class NameResolver(cst.CSTVisitor):
         return False
 
     def _resolve_relative(self, base: str, level: int) -> str:
-        if not self.package:
-            return "." * level + base
-        parts = self.package.split(".")
-        keep = parts[: len(parts) - (level - 1)] if level > 1 else parts
-        prefix = ".".join(keep)
-        return f"{prefix}.{base}" if base else prefix
+        return resolve_relative(self.package, base, level)
 
     # Aliases: `te_ops = te.pytorch.ops` ----------------------------------------------------------------
     def visit_Assign(self, node: cst.Assign) -> None:
@@ -128,9 +123,23 @@ class NameResolver(cst.CSTVisitor):
         `transformer_engine.pytorch.ops.basic.grouped_linear.GroupedLinear` matches
         `transformer_engine.pytorch.ops.GroupedLinear`)."""
         name = self.qualified_name(node)
-        if name is None:
-            return False
-        return any(name == q or _same_export(name, q) for q in qualified)
+        return name is not None and names_match(name, *qualified)
+
+
+def resolve_relative(package: str | None, base: str, level: int) -> str:
+    """The module `from <level dots><base> import ...` names inside `package` (kept libcst-free in use: the
+    syntax gate of MG005 resolves imports the same way)."""
+    if not package:
+        return "." * level + base
+    parts = package.split(".")
+    keep = parts[: len(parts) - (level - 1)] if level > 1 else parts
+    prefix = ".".join(keep)
+    return f"{prefix}.{base}" if base else prefix
+
+
+def names_match(name: str, *qualified: str) -> bool:
+    """`NameResolver.matches` on an already resolved name."""
+    return any(name == q or _same_export(name, q) for q in qualified)
 
 
 def _same_export(name: str, qualified: str) -> bool:

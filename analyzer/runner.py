@@ -24,6 +24,7 @@ from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.progress import Progress
 from maingrad.analyzer.report import Finding, ParseError, Report, Severity
 from maingrad.analyzer.suppressions import MARKER, apply_suppressions, parse_suppressions, unused_findings
+from maingrad.analyzer.syntax_index import gate_enabled
 
 # Below this many characters of source to parse, a process pool costs more than it saves.
 POOL_MIN_CHARS = 150_000
@@ -50,6 +51,8 @@ class ScanSettings:
             "exposure_helpers": list(self.exposure_helpers),
             "warn_unused_ignores": self.warn_unused_ignores,
             "extra_rules": extra_rules_signature(),
+            # Findings do not depend on it, but `parsed` (files_parsed) does: keep the modes apart.
+            "syntax_gate": gate_enabled(),
         }
 
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import libcst as cst
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.needles import Needle
 from maingrad.analyzer.report import Severity
+from maingrad.analyzer.syntax_index import SyntaxIndex
 
 DOCS_BASE_URI = "https://github.com/maingrad/maingrad/blob/main/docs/rules"
 
@@ -68,6 +69,17 @@ class Rule:
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         raise NotImplementedError
+
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """The syntax gate (see `maingrad.analyzer.syntax_index`): False only when `check` cannot report
+        anything on this file. It must over-approximate `check` (a file it rejects is never parsed for this
+        rule); precision only buys speed. Default: always passes."""
+        return True
+
+    @classmethod
+    def has_gate(cls) -> bool:
+        """Whether the rule overrides `gate` (only then is a file's SyntaxIndex worth building for it)."""
+        return cls.gate is not Rule.gate
 
     @classmethod
     def help_uri(cls) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 from maingrad.analyzer import walk
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
@@ -35,6 +35,7 @@ from maingrad.analyzer.rules._common import (
     string_value,
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
+from maingrad.analyzer.syntax_index import SyntaxIndex
 
 # Ops whose fused forward requires `main_grad` when built with accumulate_into_main_grad=True.
 FORWARD_CHECKING_OPS = ("transformer_engine.pytorch.ops.GroupedLinear",)
@@ -458,6 +459,16 @@ runs and raises `MAIN GRAD NOT FOUND` under Megatron-FSDP. Both are reported.
             line=6,
         ),
     ]
+
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check`: a finding needs a call that `ctx.names` resolves to `GroupedLinear`,
+        and a resolved name ends with an identifier written in the file (the callee's last attribute, an
+        imported name, or the source of an alias such as `GL = ops.GroupedLinear`), so the text must hold
+        "GroupedLinear". The call then passes the flag as a keyword, or passes `**mapping` (the mapping
+        naming it is not followed). Exposure helpers only remove findings, so they are ignored here."""
+        if "GroupedLinear" not in index.source:
+            return False
+        return FLAG in index.keywords or index.double_star_call
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         flagged_by_class: dict[cst.ClassDef | None, list[_Flagged]] = {}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 
 import libcst as cst
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer import syntax_index
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
     ABSENT,
@@ -24,6 +26,7 @@ from maingrad.analyzer.rules._common import (
     path_facts,
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
+from maingrad.analyzer.syntax_index import SyntaxIndex
 
 # Megatron's fused_weight_gradient_mlp_cuda kernels: (input, grad_output, main_grad) accumulate in place.
 KERNELS = frozenset({"wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"})
@@ -323,6 +326,18 @@ The fix inserts exactly that guarded exposure before the outermost statement on 
         ),
     ]
 
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check`: a buffer of `_written_buffers` (mirrored on `ast`) that is not provably
+        exposed before the call. "Provably" is `_exposed_before` restricted to what can be decided exactly:
+        an own assignment `R.main_grad = <... R.get_main_grad() ...>` of the same function, before the call
+        and not in an exclusive branch, with both receivers plain dotted chains of equal text. Helper calls,
+        `get_main_grad` bound to locals and the ABSENT path facts only remove more findings: ignored."""
+        for call in index.main_grad_calls:
+            for buffer in _ast_written_buffers(call):
+                if not _ast_exposed_before(index, call, buffer):
+                    return True
+        return False
+
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         helpers = ctx.settings.exposure_helpers
         for call in ctx.nodes(cst.Call):
@@ -402,6 +417,52 @@ The fix inserts exactly that guarded exposure before the outermost statement on 
             {anchor: cst.FlattenSentinel([exposure, moved])},
             f"expose `{key}.main_grad` from `get_main_grad()` for Megatron-FSDP parameters first",
         )
+
+
+def _ast_written_buffers(call: ast.Call) -> list[ast.AST]:
+    """`_written_buffers` on an `ast.Call` (arguments in any order: only their existence matters)."""
+    name = syntax_index.last_name(call)
+    values = [a.value if isinstance(a, ast.Starred) else a for a in call.args]
+    values += [kw.value for kw in call.keywords]
+    if name in KERNELS:
+        return [v for v in values if syntax_index.is_main_grad_attr(v)]
+    if name in GEMMS:
+        out = next((kw.value for kw in call.keywords if kw.arg == "out"), None)
+        return [out] if out is not None and syntax_index.is_main_grad_attr(out) else []
+    func = call.func
+    if (
+        name in INPLACE_GEMMS
+        and isinstance(func, ast.Attribute)
+        and syntax_index.is_main_grad_attr(func.value)
+    ):
+        return [func.value]
+    return []
+
+
+def _ast_exposed_before(index: SyntaxIndex, call: ast.Call, buffer: ast.AST) -> bool:
+    """True only when `_exposed_before` is (see `gate`)."""
+    key = syntax_index.chain_before(index, buffer, "main_grad")
+    if key is None:
+        return False
+    func = syntax_index.enclosing_function(index, call)
+    for getter in index.get_main_grad_calls:  # `_is_getter_call`: any `X.get_main_grad(...)` call
+        child: ast.AST = getter
+        stmt = index.parent(getter)
+        while stmt is not None and not isinstance(stmt, ast.stmt):
+            child, stmt = stmt, index.parent(stmt)
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or child is not stmt.value:
+            continue
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        first = next((t for t in targets if syntax_index.is_main_grad_attr(t)), None)
+        if first is None or syntax_index.chain_before(index, first, "main_grad") != key:
+            continue
+        if syntax_index.owning_scope(index, stmt) is not func:
+            continue
+        if syntax_index.is_before(index, stmt, call) and not syntax_index.mutually_exclusive(
+            index, stmt, call
+        ):
+            return True
+    return False
 
 
 def _header_code(stmt: cst.BaseCompoundStatement) -> str:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from enum import Enum
 
 import libcst as cst
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
     code_of,
@@ -17,6 +17,7 @@ from maingrad.analyzer.rules._common import (
     main_grad_receiver,
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
+from maingrad.analyzer.syntax_index import SyntaxIndex
 
 
 class _Use(Enum):
@@ -268,6 +269,13 @@ uses are reported without a fix.
             line=1,
         ),
     ]
+
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check`: every finding is a main_grad value (`R.main_grad`, `getattr(R,
+        "main_grad"...)`, `R.get_main_grad()`) or a name assigned one, sitting directly in a truth context
+        (if/while/assert/comprehension-if/ternary test, `not`, `bool()`) or as any operand of `and`/`or`
+        (which covers TRUTH and TESTED uses). Names count when assigned such a value anywhere in the file."""
+        return index.truth_main_grad or bool(index.truth_names & index.main_grad_value_names)
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         # Locals bound to main_grad somewhere in the file: only those Names need the per-function check.

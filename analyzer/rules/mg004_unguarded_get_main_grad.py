@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Iterator
 
 import libcst as cst
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer import syntax_index
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
     CAUGHT,
@@ -18,6 +21,7 @@ from maingrad.analyzer.rules._common import (
     path_facts,
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
+from maingrad.analyzer.syntax_index import SyntaxIndex
 
 
 class UnguardedGetMainGrad(Rule):
@@ -254,6 +258,31 @@ fix `X.get_main_grad() if hasattr(X, "get_main_grad") else X.main_grad`.
         ),
     ]
 
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check`: some `X.get_main_grad(...)` call that `_exempt` does not exempt (the
+        same tests: an `fsdp` path part, an enclosing def/class named for FSDP, `self`/`cls` in a class that
+        defines `get_main_grad`; spans are exact for defs and classes) and that is not provably guarded.
+        "Provably" is the part of `path_facts` decided exactly: an enclosing if/while/ternary body or later
+        `and` operand under `hasattr(X, "get_main_grad"|"__fsdp_param__")` written plainly (a dotted chain
+        and a simple string, so texts equal libcst's `code_of`), or a `try` body catching AttributeError.
+        Other guards only remove more findings: ignored."""
+        if any("fsdp" in part for part in index.path.replace("\\", "/").lower().split("/")):
+            return False
+        for call in index.get_main_grad_calls:
+            around = index.enclosing(syntax_index.pos(call))
+            if any("fsdp" in s.name.lower() or "fullyshard" in s.name.lower() for s in around):
+                continue
+            receiver = call.func.value  # type: ignore[attr-defined]
+            classes = [s for s in around if s.kind == "class"]
+            on_self = isinstance(receiver, ast.Name) and receiver.id in ("self", "cls")
+            if on_self and classes and classes[-1].defines_get_main_grad:
+                continue
+            key = syntax_index.chain_before(index, call.func, "get_main_grad")
+            if key is not None and _ast_guarded(index, call, key):
+                continue
+            return True
+        return False
+
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         for call in ctx.nodes(cst.Call):
             assert isinstance(call, cst.Call)
@@ -327,6 +356,55 @@ fix `X.get_main_grad() if hasattr(X, "get_main_grad") else X.main_grad`.
             )
             return Fix({call: fallback}, "use `X.main_grad` when there is no `get_main_grad`", safe=False)
         return None
+
+
+_HASATTR = re.compile(
+    rf"hasattr\s*\(\s*({syntax_index._CHAIN})\s*,\s*([\"'])(get_main_grad|__fsdp_param__)\2\s*\)"
+)
+
+
+def _ast_present(index: SyntaxIndex, test: ast.AST, key: str) -> bool:
+    """`Condition.implies(test, True) == PRESENT`, for the plain form `_HASATTR` reads exactly. For a true
+    `a and b and ...` libcst takes the first operand that implies anything: only the first one is safe."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return _ast_present(index, test.values[0], key)
+    if not (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "hasattr"):
+        return False
+    match = _HASATTR.fullmatch(index.segment(test) or "")
+    return match is not None and match.group(1) == key
+
+
+def _ast_guarded(index: SyntaxIndex, call: ast.Call, key: str) -> bool:
+    """True only when `path_facts` holds PRESENT or CAUGHT for the call's receiver (see `gate`)."""
+    func = syntax_index.enclosing_function(index, call)
+    child: ast.AST = call
+    for parent in index.ancestors(call):
+        if isinstance(parent, (ast.If, ast.While)):
+            in_body = any(s is child for s in parent.body)
+            if in_body and _ast_present(index, parent.test, key):
+                return True
+        elif isinstance(parent, ast.IfExp):
+            if child is parent.body and _ast_present(index, parent.test, key):
+                return True
+        elif isinstance(parent, ast.BoolOp) and isinstance(parent.op, ast.And):
+            # libcst nests `a and b and c` to the left: an operand after the first sees the earlier ones.
+            if parent.values[0] is not child and _ast_present(index, parent.values[0], key):
+                return True
+        elif isinstance(parent, syntax_index.TRY_NODES):
+            caught = any(_ast_catches_attribute_error(h) for h in parent.handlers)  # type: ignore[attr-defined]
+            if caught and any(s is child for s in parent.body):  # type: ignore[attr-defined]
+                return True
+        if parent is func:
+            break
+        child = parent
+    return False
+
+
+def _ast_catches_attribute_error(handler: ast.ExceptHandler) -> bool:
+    if handler.type is None:
+        return True
+    types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(syntax_index.dotted(t) in ("AttributeError", "Exception", "BaseException") for t in types)
 
 
 def _context(ctx: FileContext, call: cst.Call) -> cst.CSTNode:

@@ -17,16 +17,18 @@ same-file helper, or later on the attribute the container is stored in). Whateve
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import libcst as cst
-from maingrad.analyzer import walk
-from maingrad.analyzer.context import FileContext
-from maingrad.analyzer.names import dotted_name
+from maingrad.analyzer import syntax_index, walk
+from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.names import dotted_name, names_match, package_of, resolve_relative
 from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules.base import Example, Rule, Violation
+from maingrad.analyzer.syntax_index import SyntaxIndex, pos
 
 _CONTAINERS = (
     "transformer_engine.pytorch.ops.Sequential",
@@ -685,6 +687,60 @@ class _Analysis:
         return None
 
 
+_MAX_ALIASES = 5000
+
+
+def _possible_aliases(index: SyntaxIndex) -> dict[str, set[str]] | None:
+    """Every qualified name `NameResolver` could map each local name to, whatever the binding order (None:
+    too many to enumerate; the gate then passes)."""
+    package = package_of(index.path)
+    aliases: dict[str, set[str]] = {}
+    for node in index.imports:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname is not None:
+                    aliases.setdefault(alias.asname, set()).add(alias.name)
+                else:
+                    head = alias.name.split(".", 1)[0]
+                    aliases.setdefault(head, set()).add(head)
+            continue
+        base = node.module or ""
+        if node.level:
+            base = resolve_relative(package, base, node.level)
+        for alias in node.names:
+            if alias.name == "*":
+                continue
+            local = alias.asname or alias.name
+            aliases.setdefault(local, set()).add(f"{base}.{alias.name}" if base else alias.name)
+    # `te_ops = te.pytorch.ops` chains. NameResolver applies each assignment once, in source order, so
+    # len(alias_assigns) rounds cover every chain it can build; `x = x.y` grows forever without the cap.
+    for _ in range(len(index.alias_assigns)):
+        grew = False
+        for assign in index.alias_assigns:
+            target = assign.targets[0].id  # type: ignore[attr-defined]
+            source = syntax_index.dotted(assign.value)
+            if source is None:
+                continue
+            for resolved in _possible_names(assign.value, aliases):
+                if resolved != source and resolved not in aliases.setdefault(target, set()):
+                    aliases[target].add(resolved)
+                    grew = True
+        if not grew:
+            break
+        if sum(len(v) for v in aliases.values()) > _MAX_ALIASES:
+            return None
+    return aliases
+
+
+def _possible_names(expr: ast.AST, aliases: dict[str, set[str]]) -> set[str]:
+    """`NameResolver.qualified_name` of a Name/Attribute chain, for every binding of its head."""
+    dotted = syntax_index.dotted(expr)
+    if dotted is None:
+        return set()
+    head, _, rest = dotted.partition(".")
+    return {f"{target}.{rest}" if rest else target for target in aliases.get(head, ())}
+
+
 class FusedContainerWithoutHookReplay(Rule):
     id = "MG005"
     name = "fused-container-without-hook-replay"
@@ -999,6 +1055,28 @@ registered submodules, which the wrappers hook themselves.
             line=4,
         ),
     ]
+
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check`: a finding is a call inside a function whose callee `ctx.names` resolves
+        to one of `_CONTAINERS`. `NameResolver` is mirrored on `ast` with every binding kept (it keeps the
+        last one), so `_possible_names` is a superset of what it resolves. A callee written as a plain
+        name is taken as a candidate without the inside-a-function test. The global-hook early return is
+        mirrored exactly; adoption and replay only remove findings."""
+        if "register_module_forward_pre_hook" in index.source:
+            return False
+        aliases = _possible_aliases(index)
+        if aliases is None:
+            return True
+        for call in index.container_calls:
+            in_function = isinstance(call.func, ast.Name) or any(
+                s.kind == "def" for s in index.enclosing(pos(call))
+            )
+            if in_function and any(names_match(q, *_CONTAINERS) for q in _possible_names(call.func, aliases)):
+                return True
+        for name in index.called_names:
+            if any(names_match(q, *_CONTAINERS) for q in aliases.get(name, ())):
+                return True
+        return False
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         if "register_module_forward_pre_hook" in ctx.source:

@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterator
 
 import libcst as cst
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
@@ -37,6 +37,7 @@ from maingrad.analyzer.rules._common import (
     string_value,
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
+from maingrad.analyzer.syntax_index import SyntaxIndex, pos
 
 FLAG = "overwrite_main_grad"
 _WRAPPER_PATH = re.compile(
@@ -294,6 +295,19 @@ be left empty.
             """,
         ),
     ]
+
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check`: the path tests are mirrored exactly; then some `X.overwrite_main_grad =
+        v` (plain or annotated) or `setattr(X, "overwrite_main_grad", v)` with `v` `True`, a non-zero int or
+        any name (it may be bound to one), outside every class named like a wrapper. The strategy guard is
+        not looked at: it only removes findings."""
+        path = index.path.replace("\\", "/")
+        if _TEST_PATH.search(path) or _WRAPPER_PATH.search(path):
+            return False
+        return any(
+            not any(s.kind == "class" and _WRAPPER_CLASS.search(s.name) for s in index.enclosing(pos(node)))
+            for node in index.overwrite_sets
+        )
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         if _TEST_PATH.search(ctx.path.replace("\\", "/")):

@@ -21,12 +21,14 @@ Four shapes are checked, each only where the dtype provably does not come from t
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import libcst as cst
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer import syntax_index
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
@@ -39,6 +41,7 @@ from maingrad.analyzer.rules._common import (
     string_value,
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
+from maingrad.analyzer.syntax_index import Spine, SyntaxIndex
 
 _BOOL_PREFIX = re.compile(r"^_*(accumulate|overwrite|use|is|has|fuse|grad_added|zero|skip|with|need|should)")
 _MAIN_GRAD_NAME = re.compile(r"main_grads?$")
@@ -151,6 +154,106 @@ class MainGradScope:
             if len(owners) == 1:
                 return next(iter(owners.values()))
         return None
+
+
+# The syntax gate (shared with MG008) ----------------------------------------------------------------
+def spine_is_main_grad(spine: Spine, aliases: set[str]) -> bool:
+    """Over-approximates `MainGradScope.is_main_grad` on an expression: the spine holds exactly the nodes it
+    decides on (an `X.main_grad` attribute, a call's last name, a plain name), and `aliases` is a superset
+    of every scope's aliases."""
+    if spine.wild or spine.attr:
+        return True
+    if any("main_grad" in name and not _BOOL_PREFIX.match(name) for name in spine.calls):
+        return True
+    return any(name in aliases or _is_main_grad_name(name) for name in spine.names)
+
+
+def gate_aliases(index: SyntaxIndex) -> set[str]:
+    """Names that may hold a main_grad buffer: the fixpoint over every `name = <expr>` in the file. Each
+    scope's `MainGradScope.aliases` comes from a subset of these bindings in at most four rounds."""
+    cached = index.memo.get("mg007_aliases")
+    if cached is None:
+        cached = set()
+        grew = True
+        while grew:
+            grew = False
+            for name, spine in index.bindings:
+                if name not in cached and spine_is_main_grad(spine, cached):
+                    cached.add(name)
+                    grew = True
+        index.memo["mg007_aliases"] = cached
+    return cached
+
+
+def _ast_maybe_matmul(call: ast.Call) -> bool:
+    """Whether `ctx.names.qualified_name(call.func)` may be `torch.<matmul>`: its last part is the callee's
+    attribute, or anything for a plain name (an alias)."""
+    return isinstance(call.func, ast.Name) or (
+        isinstance(call.func, ast.Attribute) and call.func.attr in _MATMULS
+    )
+
+
+def _ast_kernel_cleared(index: SyntaxIndex, call: ast.Call) -> bool:
+    """True only when `_check_call` reports nothing on this kernel call: `_dtype_tests` finds a test (an
+    enclosing if/ternary/while test whose text reads the buffer's dtype; its `ast` text is part of libcst's
+    `code_of`, so the substrings are there too) and `_kernel_contradiction` cannot fire."""
+    func = syntax_index.function_of(index, call)
+    tested = False
+    for ancestor in index.ancestors(call):
+        if isinstance(ancestor, (ast.If, ast.IfExp, ast.While)):
+            code = index.segment(ancestor.test) or ""
+            if ("main_grad" in code and "dtype" in code) or any(t in code for t in _GUARD_TEXT):
+                tested = True
+                break
+        if ancestor is func:
+            break
+    if not tested:
+        return False
+    method = call.func.attr  # type: ignore[attr-defined]
+    wanted = _FP32 if _KERNELS[method] == "fp32" else _LOW
+    child: ast.AST = call
+    for ancestor in index.ancestors(call):  # the innermost `if` holding the call in its body decides
+        if isinstance(ancestor, ast.If) and any(s is child for s in ancestor.body):
+            return not _ast_may_contradict(ancestor.test, wanted)
+        if isinstance(ancestor, (*syntax_index.FUNCTION_NODES, ast.Lambda)):
+            return True
+        child = ancestor
+    return True
+
+
+def _ast_may_contradict(test: ast.AST, wanted: frozenset[str]) -> bool:
+    """Whether `_kernel_contradiction` may return a dtype for this `if` test. It needs every compared
+    element to resolve (`torch_dtype_name`) and one outside `wanted`; an element's resolved name, if any,
+    is its attribute or its string (a plain name may alias anything)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    comparator = test.comparators[0]
+    if isinstance(test.ops[0], ast.Eq):
+        elements = [comparator]
+    elif isinstance(test.ops[0], ast.In) and isinstance(comparator, (ast.Tuple, ast.List)):
+        elements = [e.value if isinstance(e, ast.Starred) else e for e in comparator.elts]
+    else:
+        return False
+    verdicts = [_ast_dtype_verdict(e, wanted) for e in elements]
+    return "none" not in verdicts and "bad" in verdicts
+
+
+def _ast_dtype_verdict(expr: ast.AST, wanted: frozenset[str]) -> str:
+    """How `torch_dtype_name(expr)` may come out: surely None ("none"), None or a wanted dtype ("ok"), or
+    maybe another dtype ("bad")."""
+    if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+        text = expr.value
+    elif isinstance(expr, ast.Attribute):
+        if syntax_index.dotted(expr) is None:
+            return "none"
+        text = expr.attr
+    elif isinstance(expr, ast.Name):
+        return "bad"
+    else:
+        return "none"
+    if text not in _DTYPES:
+        return "none"
+    return "ok" if text in wanted else "bad"
 
 
 def function_of(ctx: FileContext, node: cst.CSTNode) -> cst.FunctionDef | None:
@@ -545,6 +648,28 @@ Fixes: `out_dtype` becomes `<out>.dtype` (safe); the kernel call is wrapped in t
             """,
         ),
     ]
+
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check`'s four shapes by their syntax, on buffers that may be a main_grad
+        (`spine_is_main_grad`): a kernel call's third positional argument, unless `_ast_kernel_cleared`; an
+        `out=` keyword with an `out_dtype=` or a callee that may resolve to a torch matmul; a `{"out": ...,
+        "out_dtype": ...}` display; an `add_`/`copy_` receiver or `+=` target written from a cast
+        (`.to/.type/.half/.bfloat16`). Dtype sources only remove findings: ignored."""
+        aliases: set[str] | None = None
+        for write in index.writes:
+            if write.kind == "kernel":
+                relevant = not _ast_kernel_cleared(index, write.node)  # type: ignore[arg-type]
+            elif write.kind == "out":
+                relevant = write.out_dtype or _ast_maybe_matmul(write.node)  # type: ignore[arg-type]
+            elif write.kind == "dict_out":
+                relevant = write.out_dtype
+            else:  # add_copy, aug
+                relevant = write.cast
+            if relevant:
+                aliases = gate_aliases(index) if aliases is None else aliases
+                if spine_is_main_grad(write.spine, aliases):
+                    return True
+        return False
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         scopes: dict[cst.FunctionDef | None, MainGradScope] = {}

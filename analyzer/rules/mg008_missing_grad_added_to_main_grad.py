@@ -25,13 +25,19 @@ from collections.abc import Iterator
 
 import libcst as cst
 from maingrad.analyzer import walk
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import code_of, is_simple_chain, keyword, positional, string_value
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
-from maingrad.analyzer.rules.mg006_forced_overwrite_main_grad import in_wrapper
-from maingrad.analyzer.rules.mg007_wgrad_dtype import MainGradScope, out_pairs
+from maingrad.analyzer.rules.mg006_forced_overwrite_main_grad import _WRAPPER_CLASS, _WRAPPER_PATH, in_wrapper
+from maingrad.analyzer.rules.mg007_wgrad_dtype import (
+    MainGradScope,
+    gate_aliases,
+    out_pairs,
+    spine_is_main_grad,
+)
+from maingrad.analyzer.syntax_index import SyntaxIndex, pos
 
 FLAG = "grad_added_to_main_grad"
 _BACKWARD = re.compile(r"(^|_)backward(_|$)")
@@ -231,6 +237,29 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
             line=5,
         ),
     ]
+
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check`: the "backward" text test and the wrapper path are mirrored exactly;
+        then some candidate write of `_written_buffer` (kernel argument, add_/copy_ receiver, `out=`
+        keyword or `{"out": ...}` value, `+=` target) that may be a main_grad buffer
+        (`spine_is_main_grad`), inside a function named like a backward and outside every class named like
+        a wrapper (line spans, exact for defs and classes). Flag awareness only removes findings."""
+        if "backward" not in index.source or _WRAPPER_PATH.search(index.path.replace("\\", "/")):
+            return False
+        backwards = [s for s in index.scopes if s.kind == "def" and _BACKWARD.search(s.name)]
+        if not backwards:
+            return False
+        aliases = gate_aliases(index)
+        for write in index.writes:
+            where = pos(write.node)
+            if not any(s.contains(where) for s in backwards):
+                continue
+            if not spine_is_main_grad(write.spine, aliases):
+                continue
+            if any(s.kind == "class" and _WRAPPER_CLASS.search(s.name) for s in index.enclosing(where)):
+                continue
+            return True
+        return False
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         if "backward" not in ctx.source:
