@@ -28,7 +28,7 @@ from .discovery import TargetSpec, discover
 from .errors import MainGradHooksWarning
 from .expose import check_policy
 from .instrument import Runtime, Site
-from .records import RecordRing, RunMeta, to_dict
+from .records import RecordRing, RunMeta, to_dicts
 from .settings import resolve_commit, resolve_mode, resolve_rank, resolve_run
 from .sinks import Sink, make_sink
 from .summary import ModuleSummary, Summary
@@ -106,23 +106,24 @@ class Handle:
 
     # -- records --------------------------------------------------------------------------------------------
     def _dicts(self, rows: Iterable[tuple]) -> list[dict]:
-        meta, modules, params = self.meta, self._modules, self._params
-        return [to_dict(row, meta, modules, params) for row in rows]
+        return to_dicts(rows, self.meta, self._modules, self._params)
 
     def records(self) -> list[dict]:
         """The records still in the ring buffer, oldest first (does not consume them)."""
         if self._rt is None:
             return []
-        return self._dicts(list(self._rt.ring.rows))
+        return self._dicts(self._rt.ring.snapshot())
 
     def flush(self) -> int:
         """Hand the records made since the last flush to every sink; returns how many. Never raises."""
         rt = self._rt
         if rt is None:
             return 0
+        if not self._sinks:  # nobody to hand them to: count them, build nothing
+            return rt.ring.skip_new()
         rows = rt.ring.take_new()
-        if not rows or not self._sinks:
-            return len(rows)
+        if not rows:
+            return 0
         try:
             records = self._dicts(rows)
         except Exception:  # noqa: BLE001
@@ -206,8 +207,7 @@ class Handle:
         final = self.summary()
         self._final = final
         for site in self._sites:  # sites hold the owner modules: release them
-            site.groups = ()
-            site.fast = ()
+            site.release()
         self._sites = []
 
     def __enter__(self) -> Handle:

@@ -1,5 +1,13 @@
 """The hooks themselves: one `Site` per instrumented module, sharing one `Runtime` per handle.
 
+Hot path: a call in the steady state (every main_grad a tensor already validated, flags bool or absent:
+nothing to expose, force or flag beyond an overwrite) takes a fast path, vectorised for large sites
+(`_inspect_vectorised`) and a lean per-parameter loop for small ones (`_fast_forward` / `_fast_backward`).
+Either pushes one compact entry per call to the ring (records.py); sequence numbers and the expansion into
+rows wait for the flush. Anything else, or any surprise, goes to the general per-parameter path
+(`_inspect_each`), which exposes, forces, flags and raises; the fast paths change nothing but caches before
+they hand over, so both give the same records (tests/hooks/test_hooks_paths.py).
+
 Hot-path rules (DESIGN.md §4): metadata only. Hooks read attributes, `dtype`, `shape`, `device` and
 `data_ptr()`; never `.item()`, `bool(tensor)` or a tensor comparison, so they never synchronize the device.
 Rows hold no tensor (dtype/shape/device objects and ints only), so no main_grad buffer outlives its owner
@@ -14,9 +22,10 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import repeat
-from operator import attrgetter, is_, itemgetter
+from operator import and_, attrgetter, is_, itemgetter
 from time import time_ns
 from typing import Any
 
@@ -48,18 +57,21 @@ _R_GAM = repeat("grad_added_to_main_grad")
 _R_FSDP = repeat("__fsdp_param__")
 _R_GBUF = repeat("_gbuf")
 _R_DISTRIBUTED = repeat("is_data_distributed")
-_R_MISSING = repeat(_MISSING)
 _R_NONE = repeat(None)
 _R_TRUE = repeat(True)
 _R_FALSE = repeat(False)
 _TENSOR_ONLY = frozenset({_Tensor})
 _FLAG_TYPES = frozenset({bool, type(None)})
-_data_ptr = _Tensor.data_ptr
+_data_ptr = _Tensor.data_ptr  # raises TypeError on anything but a tensor
+_main_grad_of = attrgetter("main_grad")  # raises AttributeError where there is none
+_ow_of = attrgetter("overwrite_main_grad")
+_gam_of = attrgetter("grad_added_to_main_grad")
+_gbuf_distributed_of = attrgetter("_gbuf.is_data_distributed")  # Megatron-FSDP's parameter gradient buffer
 _dtype_of = attrgetter("dtype")
 _shape_of = attrgetter("shape")
 _device_of = attrgetter("device")
-# Sites with at least this many parameters take the vectorised path first. Against the per-parameter path
-# (fix + records, CPU): 2.7x slower at 2 parameters (a few us more to set up), even at 16, 22% faster at 128.
+# Sites with at least this many parameters take the vectorised path first. Against the per-parameter fast
+# path (fix + records, CPU): 1.2x slower at 8 parameters, even at 16, 5-15% faster from 24 to 128.
 VECTORISED_MIN_PARAMS = 32
 
 
@@ -72,6 +84,7 @@ PARAM_MISSING = "param_missing"
 FLAG = "flag_not_bool"
 OVERWRITE = "overwrite_discards_microbatch"
 HOOK_ERROR = "hook_error"
+_OVERWRITE_IF = (None, OVERWRITE)  # indexed by a bool: the anomaly column of the vectorised path
 
 
 def _refreshable(param: Any) -> bool:
@@ -81,6 +94,15 @@ def _refreshable(param: Any) -> bool:
 
 def _is_distributed(param: Any) -> bool:
     return hasattr(param, "_local_tensor") or hasattr(param, "to_local")
+
+
+def _fwd_ptr(fwd: Sequence[Any] | None, slot: int) -> int:
+    """main_grad's data_ptr at the forward, from what the forward handed its backward: data_ptrs, or the
+    compact rows of `_fast_forward` (whose meta starts with the data_ptr); 0 when unknown."""
+    if not fwd:
+        return 0
+    value = fwd[slot]
+    return value if value.__class__ is int else value[1][0]
 
 
 def _overwrites_accumulation(param: Any, forward_ptr: int, previous_backward_ptr: int) -> bool:
@@ -95,6 +117,12 @@ def _overwrites_accumulation(param: Any, forward_ptr: int, previous_backward_ptr
     distributed = getattr(getattr(param, "_gbuf", None), "is_data_distributed", None)
     if type(distributed) is bool:
         return not distributed
+    return _heuristic_overwrite(forward_ptr, previous_backward_ptr)
+
+
+def _heuristic_overwrite(forward_ptr: int, previous_backward_ptr: int) -> bool:
+    """Without Megatron-FSDP's answer: the forward found main_grad still holding the buffer the previous
+    backward wrote (nothing consumed or reset it)."""
     return forward_ptr != 0 and forward_ptr == previous_backward_ptr
 
 
@@ -169,20 +197,55 @@ class Runtime:
         self.internal_errors = 0
         self.last_error: str | None = None
 
-    def hook_error(self, site: Site, phase: int, mb: int, slot: int, exc: BaseException) -> None:
-        """Count and record an internal failure; must itself never raise (keeps no traceback: it holds frames)."""
+    def hook_error(
+        self, site: Site, phase: int, mb: int, slot: int, exc: BaseException, rows: list | None = None
+    ) -> None:
+        """Count and record an internal failure; must itself never raise (keeps no traceback: it holds frames).
+
+        `rows`: the list of the call being recorded, so the error row keeps its place among that call's rows.
+        """
         try:
             self.internal_errors += 1
             self.last_error = f"{site.path} {PHASES[phase]}: {type(exc).__name__}: {exc}"[:500]
             site.errors += 1
             site.anomalies[HOOK_ERROR] = site.anomalies.get(HOOK_ERROR, 0) + 1
-            ring = self.ring
-            ring.append(
-                (ring.next_seq(), time_ns(), self.step, mb, phase, site.index, slot)
-                + (False, None, None, None, None, None, None, None, False, A_ERROR, HOOK_ERROR)
-            )
+            row = (time_ns(), self.step, mb, phase, site.index, slot) + (
+                False, None, None, None, None, None, None, None, False, A_ERROR, HOOK_ERROR,
+            )  # fmt: skip
+            if rows is not None:
+                rows.append(row)
+            else:
+                self.ring.push((1, [row]))
         except Exception:  # noqa: BLE001 - the error path of an error path: swallow, training goes on
             pass
+
+
+def _make_lookup(takers: tuple) -> Callable[[], Sequence[Any]]:
+    """A function giving every slot's current Parameter in slot order (KeyError when a name is gone).
+
+    Looked up afresh at every call (Megatron-FSDP swaps the Parameter objects); specialised at install for
+    the common one-owner site. It holds the owners: `Site.release()` drops it.
+    """
+    if len(takers) == 1:
+        ((owner, getter, single),) = takers
+        if single:
+            return lambda: (getter(owner._parameters),)
+        return lambda: getter(owner._parameters)
+
+    def lookup() -> list[Any]:
+        found: list[Any] = []
+        for owner, getter, single in takers:
+            if single:
+                found.append(getter(owner._parameters))
+            else:
+                found.extend(getter(owner._parameters))
+        return found
+
+    return lookup
+
+
+def _released() -> Sequence[Any]:
+    raise ReferenceError("maingrad hooks removed")
 
 
 class Site:
@@ -197,8 +260,15 @@ class Site:
         "groups",
         "fast",
         "takers",
+        "lookup",
+        "owner1",
+        "getter1",
+        "every",
+        "vectorised",
+        "plain_fwd",
+        "lean",
+        "flag_reads",
         "wgrads",
-        "slot_ids",
         "meta_cache",
         "nslots",
         "relnames",
@@ -259,13 +329,28 @@ class Site:
             (o, getter, single, len(names_) if set(names_) == set(o._parameters) else 0)
             for o, getter, single, names_, *_ in self.groups
         )
-        # The vectorised path's view of the same slots: (owner, getter, single) per group, flat wgrad flags.
+        # The fast paths' view of the same slots: (owner, getter, single) per group, flat wgrad flags.
         self.takers = tuple((o, getter, single) for o, getter, single, *_ in self.groups)
+        self.lookup = _make_lookup(self.takers)
+        # The usual small site, one owner with several covered names, is looked up inline (no call).
+        one = len(self.takers) == 1 and not self.takers[0][2]
+        self.owner1 = self.takers[0][0] if one else None
+        self.getter1 = self.takers[0][1] if one else None
         self.wgrads = tuple(w for *_, wgrads_, _ in self.groups for w in wgrads_)
         self.nslots = len(self.relnames)
-        self.slot_ids = tuple(range(self.nslots))
+        self.every = rt.sample_every
+        self.vectorised = self.nslots >= VECTORISED_MIN_PARAMS
+        # small sites' hooks call the per-parameter fast path directly (forward: unless forcing the flag)
+        self.plain_fwd = not self.vectorised and not rt.force_true
+        # Per-parameter fast paths read overwrite_main_grad / grad_added_to_main_grad / __fsdp_param__ as plain
+        # attributes (faster than getattr with a default, hasattr) until a parameter with a main_grad turns out
+        # to lack one (DDP has neither the overwrite flag nor __fsdp_param__): then getattr/hasattr for good.
+        # Only the speed differs: an absent flag reads as None, an absent __fsdp_param__ as False, either way.
+        self.flag_reads = True
+        # The hook's shortest way (see pre_forward): set once the first call has checked the hook order.
+        self.lean = False
         # (data_ptrs, dtypes, shapes, devices) of the buffers last recorded by the vectorised path: a call
-        # that finds the same buffers reuses the shape and device objects (see buffer_meta).
+        # that finds the same buffers reuses the shape and device lists (see buffer_meta).
         self.meta_cache: tuple | None = None
         self.checked_ptr = [0] * self.nslots  # data_ptr whose element count was last found right, per slot
         # Per slot (data_ptr, dtype, shape, device) of the buffer last recorded: a record of the same buffer
@@ -282,6 +367,8 @@ class Site:
         self.errors = 0
         self.anomalies: dict[str, int] = {}
         self.mb = 0
+        # data_ptrs the previous backward found, per slot. Replaced, never changed in place: a ring entry
+        # may hold the same list.
         self.last_bwd_ptr = [0] * self.nslots
         self.pending: tuple | None = None
         self.order_checked = False
@@ -303,8 +390,9 @@ class Site:
         appended after the container's own pre-hook there, which replays the children's (Megatron-FSDP
         unshard) hooks and, from megatron-core 0.19 on, exposes main_grad itself: the point right before the
         fused kernels, so what is recorded at forward is what the fused op sees. Here we then only note which
-        main_grad buffers the call starts with (for the overwrite heuristic, when the call is recorded).
-        Before the fused object exists (the first call) the work is done here.
+        main_grad buffers the call starts with, for the overwrite heuristic of its backward: only when the
+        call is recorded (or checked) and is not a step's first micro-batch, the only calls whose backward
+        reads them. Before the fused object exists (the first call) the work is done here.
         """
         rt = self.rt
         if not rt.live:
@@ -318,9 +406,9 @@ class Site:
                         self.late_handle.remove()
                     self.late_handle = target.register_forward_pre_hook(self.pre_forward)
                     self.late_ref = weakref.ref(target)
-                    self.order_checked = False
-                every = rt.sample_every
-                if (every > 0 and self.fwd_calls % every == 0) or rt.check:
+                    self.order_checked = self.lean = False
+                every = self.every
+                if self.mb > 0 and ((every > 0 and self.fwd_calls % every == 0) or rt.check):
                     self.pre_ptrs = self._current_ptrs()
                 return None
             # First call: the container's own exposure (0.19+) has not run yet; do not flag what it will fix.
@@ -333,13 +421,23 @@ class Site:
             self.relax_once = False
 
     def _current_ptrs(self) -> list[int]:
-        ptrs = []
-        for owner, _, _, names, *_ in self.groups:
-            params = owner._parameters
-            for name in names:
-                mg = getattr(params.get(name), "main_grad", None)
-                ptrs.append(mg.data_ptr() if isinstance(mg, _Tensor) else 0)
-        return ptrs
+        """main_grad's data_ptr per slot (0 where it is not a tensor or the parameter is gone)."""
+        try:
+            return list(map(_data_ptr, map(_main_grad_of, self.lookup())))
+        except Exception:  # noqa: BLE001 - one absent, None or not a tensor: look closer
+            pass
+        try:
+            mgs = list(map(getattr, self.lookup(), _R_MAIN_GRAD, _R_NONE))
+        except KeyError:
+            mgs = [
+                getattr(params.get(name), "main_grad", None)
+                for owner, _, _, names, *_ in self.groups
+                for params in (owner._parameters,)
+                for name in names
+            ]
+        if _TENSOR_ONLY.issuperset(map(type, mgs)):
+            return list(map(_data_ptr, mgs))
+        return [mg.data_ptr() if isinstance(mg, _Tensor) else 0 for mg in mgs]
 
     def detach(self) -> None:
         """Remove the hook this site added outside the handle's list (the fused object's pre-hook)."""
@@ -348,8 +446,83 @@ class Site:
             self.late_handle = None
         self.late_ref = None
 
+    def release(self) -> None:
+        """Drop every reference to the model (the owner modules); the site only answers counts() after."""
+        self.groups = ()
+        self.fast = ()
+        self.takers = ()
+        self.lookup = _released
+        self.owner1 = self.getter1 = None
+        self.lean = False
+        self.pending = None
+
     def pre_forward(self, module: torch.nn.Module, args: Any = None) -> None:
-        """Forward pre-hook. Also accepts Megatron's replay `hook(module, None)`; always returns None."""
+        """Forward pre-hook. Also accepts Megatron's replay `hook(module, None)`; always returns None.
+
+        `lean` (a small site that records every call, not a container, forward not forcing the flag, hook
+        order checked): none of the sampling, order and container branches can apply, so they are skipped.
+        """
+        if self.lean:  # implies live: release() clears it
+            mb = self.mb
+            try:
+                self.fwd_calls += 1
+                self.mb = mb + 1
+                fwd = _SLOW
+                try:  # _fast_rows inlined (keep the two alike): the call alone is a fair share of a small site
+                    getter = self.getter1
+                    found = getter(self.owner1._parameters) if getter is not None else self.lookup()
+                    plain = self.flag_reads
+                    metas = self.buffer_meta
+                    rows: list[tuple] = []
+                    append = rows.append
+                    for i, p in enumerate(found):
+                        mg = p.main_grad
+                        if plain:
+                            ow = p.overwrite_main_grad
+                            gam = p.grad_added_to_main_grad
+                            fsdp = p.__fsdp_param__ is not _MISSING  # read for its presence: always True
+                        else:
+                            ow = getattr(p, "overwrite_main_grad", None)
+                            gam = getattr(p, "grad_added_to_main_grad", None)
+                            fsdp = hasattr(p, "__fsdp_param__")
+                        if (ow is not True and ow is not False and ow is not None) or (
+                            gam is not True and gam is not False and gam is not None
+                        ):
+                            break
+                        ptr = _data_ptr(mg)  # TypeError unless a tensor
+                        dtype = mg.dtype
+                        meta = metas[i]
+                        if (
+                            meta[0] != ptr or meta[1] is not dtype
+                        ):  # a buffer new to this slot: validated first
+                            if (
+                                ptr != self.checked_ptr[i]
+                                and self.wgrads[i]
+                                and not self._validate(i, p, mg, ptr)
+                            ):
+                                break
+                            meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
+                        append((i, meta, ow, gam, fsdp))
+                    else:
+                        rt = self.rt
+                        n = self.nslots
+                        rt.ring.push((n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
+                        self.records += n
+                        fwd = rows
+                except AttributeError:  # main_grad absent (the general path sees to it), or a flag
+                    self._flag_absent()
+                except Exception:  # noqa: BLE001 - e.g. a property raising: the general path records it
+                    fwd = _SLOW
+                if fwd is _SLOW:
+                    fwd = self._inspect_each(FORWARD, mb, True, None)
+                self.pending = (mb, True, fwd)
+            except MainGradContractError:
+                self.pending = None
+                raise
+            except Exception as exc:  # noqa: BLE001 - observe/fix must never break training
+                self.pending = None
+                self.rt.hook_error(self, FORWARD, mb, -1, exc)
+            return None
         rt = self.rt
         if not rt.live:
             return None
@@ -357,7 +530,7 @@ class Site:
         try:
             n = self.fwd_calls = self.fwd_calls + 1
             self.mb = mb + 1
-            every = rt.sample_every
+            every = self.every
             record = every == 1 or (every > 1 and (n - 1) % every == 0)
             if not record:
                 if rt.observe:
@@ -368,10 +541,21 @@ class Site:
                     return None
             if not self.order_checked:
                 self._check_order(module)
-            ptrs = self._inspect(FORWARD, mb, record, None)
+            if self.plain_fwd:
+                try:
+                    fwd = self._fast_forward(mb, record)
+                except AttributeError:  # main_grad absent (the general path sees to it), or a flag
+                    self._flag_absent()
+                    fwd = _SLOW
+                except Exception:  # noqa: BLE001 - e.g. a property raising: the general path records it
+                    fwd = _SLOW
+                if fwd is _SLOW:
+                    fwd = self._inspect_each(FORWARD, mb, record, None)
+            else:
+                fwd = self._inspect(FORWARD, mb, record, None)
             if self.pre_ptrs is not None:  # a container: the state before its own pre-hook ran
-                ptrs, self.pre_ptrs = self.pre_ptrs, None
-            self.pending = (mb, record, ptrs) if (record or rt.check) else None
+                fwd, self.pre_ptrs = self.pre_ptrs, None
+            self.pending = (mb, record, fwd) if (record or rt.check) else None
         except MainGradContractError:
             self.pending = None
             raise
@@ -391,20 +575,40 @@ class Site:
             if torch.is_grad_enabled():
                 tensor = _grad_tensor(output)
                 if tensor is not None:
-                    tensor.register_hook(partial(self.on_backward, pending))
+                    hook = partial(self.on_backward, pending)
+                    node = tensor.grad_fn
+                    if node is not None:
+                        # A pre-hook on the node that made the output runs where a hook on the output would
+                        # (right before that node, even when this output gets no gradient), registered in C++
+                        # at about half the cost of Tensor.register_hook's Python handle machinery.
+                        node.register_prehook(hook)
+                    else:
+                        tensor.register_hook(hook)
         except Exception as exc:  # noqa: BLE001
             rt.hook_error(self, FORWARD, pending[0], -1, exc)
         return None
 
     def on_backward(self, pending: tuple, grad: Any) -> None:
-        """Gradient hook on the module's output: runs right before the module's backward (the fused wgrad)."""
+        """Pre-hook of the output's autograd node (or gradient hook on the output): runs right before the
+        module's backward (the fused wgrad). `grad` (the node's incoming gradients) is not read."""
         rt = self.rt
         if not rt.live:
             return None
-        mb, record, ptrs = pending
+        mb, record, fwd = pending
         try:
             self.bwd_calls += 1
-            self._inspect(BACKWARD, mb, record, ptrs)
+            if self.vectorised:
+                self._inspect(BACKWARD, mb, record, fwd)
+            else:
+                try:
+                    done = self._fast_backward(mb, record, fwd)
+                except AttributeError:
+                    self._flag_absent()
+                    done = _SLOW
+                except Exception:  # noqa: BLE001 - the general path sees to it
+                    done = _SLOW
+                if done is _SLOW:
+                    self._inspect_each(BACKWARD, mb, record, fwd)
         except MainGradContractError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -414,12 +618,34 @@ class Site:
     # -- internals ---------------------------------------------------------------------------------------
     def _all_present(self) -> bool:
         """Fast path of fix mode: nothing to expose. Strict kinds need a main_grad on every parameter; the
-        others only where nothing refreshes it in backward (no `__fsdp_param__`)."""
+        others only where nothing refreshes it in backward (no `__fsdp_param__`).
+
+        Plain attribute reads (faster than getattr with a default); an absent main_grad (or parameter)
+        raises AttributeError, and `_all_present_slow` answers with getattr, as before.
+        """
         strict = self.strict
         try:
             for owner, getter, single, whole in self.fast:
                 params = owner._parameters
                 # Same count as when installed: every entry is a covered parameter or its replacement.
+                if whole and len(params) == whole:
+                    found = params.values()
+                else:
+                    found = (getter(params),) if single else getter(params)
+                for param in found:
+                    if param.main_grad is None and (strict or not hasattr(param, "__fsdp_param__")):
+                        return False
+        except AttributeError:
+            return self._all_present_slow()
+        except KeyError:
+            return False
+        return True
+
+    def _all_present_slow(self) -> bool:
+        strict = self.strict
+        try:
+            for owner, getter, single, whole in self.fast:
+                params = owner._parameters
                 if whole and len(params) == whole:
                     found = params.values()
                 else:
@@ -436,6 +662,7 @@ class Site:
     def _check_order(self, module: torch.nn.Module) -> None:
         """Warn once if an unshard-like pre-forward hook runs after ours on the same module."""
         self.order_checked = True
+        self.lean = self.plain_fwd and self.every == 1 and not self.is_container
         hooks = list(module._forward_pre_hooks.values())
         mine = self.pre_forward
         position = next((i for i, h in enumerate(hooks) if h == mine), None)
@@ -454,73 +681,272 @@ class Site:
                 )
                 return
 
-    def _inspect(self, phase: int, mb: int, record: bool, fwd_ptrs: list[int] | None) -> list[int] | None:
-        """Read (and in fix mode repair) every covered parameter; append rows; raise in check mode.
+    def _inspect(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None = None) -> Any:
+        """Read (and in fix mode repair) every covered parameter; record the call; raise in check mode.
 
-        The steady state (every main_grad a validated tensor, flags bool, nothing to expose, force or flag)
-        takes the vectorised path; anything else, or any surprise in it, the per-parameter one.
+        Forward returns what its backward needs for the overwrite heuristic (`fwd`, see `_fwd_ptr`) when the
+        call is recorded or checked, else None; backward returns None. The steady state takes a fast path;
+        anything else, or any surprise in it, the general per-parameter one.
         """
-        if self.nslots >= VECTORISED_MIN_PARAMS:
-            try:
-                result = self._inspect_vectorised(phase, mb, record, fwd_ptrs)
-            except Exception:  # noqa: BLE001 - e.g. a property raising: the per-parameter path records it
-                result = _SLOW
-            if result is not _SLOW:
-                return result
-        return self._inspect_each(phase, mb, record, fwd_ptrs)
+        try:
+            if self.vectorised:
+                result = self._inspect_vectorised(phase, mb, record, fwd)
+            elif phase == FORWARD:
+                result = _SLOW if self.rt.force_true else self._fast_forward(mb, record)
+            else:
+                result = self._fast_backward(mb, record, fwd)
+        except AttributeError:
+            if not self.vectorised:
+                self._flag_absent()
+            result = _SLOW
+        except Exception:  # noqa: BLE001 - e.g. a property raising: the general path records it
+            result = _SLOW
+        if result is not _SLOW:
+            return result
+        return self._inspect_each(phase, mb, record, fwd)
 
-    def _inspect_vectorised(self, phase: int, mb: int, record: bool, fwd_ptrs: list[int] | None) -> Any:
-        """The steady state in C-level passes (map/zip over the parameter list, one `deque.extend` of rows).
+    def _flag_absent(self) -> None:
+        """After an AttributeError in a plain-read fast path: read the flags (and `__fsdp_param__`) with
+        getattr/hasattr from now on if a parameter that has a main_grad lacks one (not when main_grad itself is
+        what was absent)."""
+        if not self.flag_reads:
+            return
+        try:
+            for p in self.lookup():
+                if hasattr(p, "main_grad") and not (
+                    hasattr(p, "overwrite_main_grad")
+                    and hasattr(p, "grad_added_to_main_grad")
+                    and hasattr(p, "__fsdp_param__")
+                ):
+                    self.flag_reads = False
+                    return
+        except Exception:  # noqa: BLE001 - a parameter gone: the general path reports it
+            pass
+
+    def _validate(self, slot: int, param: Any, mg: _Tensor, ptr: int) -> bool:
+        """A fused-wgrad slot's first sight of buffer `ptr`: is its element count right? (once per buffer)"""
+        if mg.numel() != param.numel() and not _is_distributed(param):
+            return False
+        self._set_checked(slot, ptr)
+        return True
+
+    def _set_checked(self, slot: int, ptr: int) -> None:
+        """Note `ptr` as the slot's validated buffer. Keeps the invariant the per-parameter fast paths rely
+        on: `buffer_meta[slot]` names no data_ptr but the validated one, so a hit there needs no check."""
+        self.checked_ptr[slot] = ptr
+        if self.buffer_meta[slot][0] != ptr:
+            self.buffer_meta[slot] = _NO_META
+
+    def _fast_forward(self, mb: int, record: bool) -> Any:
+        """The forward steady state of a small site, one parameter at a time, in as few steps as possible.
+
+        Every main_grad a tensor whose buffer is validated, flags bool or absent, no force: nothing to expose
+        or flag. Returns `_SLOW` at the first parameter that needs more, having changed only caches.
+        Recording, it returns its rows for the backward (each meta starts with the data_ptr, so no separate
+        list is built); else the data_ptrs (check mode wants them).
+        """
+        return self._fast_rows(mb) if record else self._fast_ptrs()
+
+    def _fast_rows(self, mb: int) -> Any:
+        """`_fast_forward` recording: rows (slot, meta, ow, gam, fsdp), one ring entry. pre_forward's lean
+        branch runs the same loop inline; tests/hooks/test_hooks_paths.py holds both to the general path."""
+        getter = self.getter1
+        found = getter(self.owner1._parameters) if getter is not None else self.lookup()
+        plain = self.flag_reads
+        metas = self.buffer_meta
+        rows: list[tuple] = []
+        append = rows.append
+        for i, p in enumerate(found):
+            mg = p.main_grad
+            if plain:
+                ow = p.overwrite_main_grad
+                gam = p.grad_added_to_main_grad
+                fsdp = p.__fsdp_param__ is not _MISSING  # read for its presence: always True
+            else:
+                ow = getattr(p, "overwrite_main_grad", None)
+                gam = getattr(p, "grad_added_to_main_grad", None)
+                fsdp = hasattr(p, "__fsdp_param__")
+            if (ow is not True and ow is not False and ow is not None) or (
+                gam is not True and gam is not False and gam is not None
+            ):
+                return _SLOW
+            ptr = _data_ptr(mg)  # TypeError unless a tensor
+            dtype = mg.dtype
+            meta = metas[i]
+            if meta[0] != ptr or meta[1] is not dtype:  # a buffer new to this slot: validated first
+                if ptr != self.checked_ptr[i] and self.wgrads[i] and not self._validate(i, p, mg, ptr):
+                    return _SLOW
+                meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
+            append((i, meta, ow, gam, fsdp))
+        rt = self.rt
+        n = self.nslots
+        rt.ring.push((n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
+        self.records += n
+        return rows
+
+    def _fast_ptrs(self) -> Any:
+        """`_fast_forward` not recording: the data_ptrs only."""
+        getter = self.getter1
+        found = getter(self.owner1._parameters) if getter is not None else self.lookup()
+        checked = self.checked_ptr
+        wgrads = self.wgrads
+        plain = self.flag_reads
+        ptrs = []
+        keep = ptrs.append
+        for i, p in enumerate(found):
+            mg = p.main_grad
+            if plain:
+                ow = p.overwrite_main_grad
+                gam = p.grad_added_to_main_grad
+            else:
+                ow = getattr(p, "overwrite_main_grad", None)
+                gam = getattr(p, "grad_added_to_main_grad", None)
+            if (ow is not True and ow is not False and ow is not None) or (
+                gam is not True and gam is not False and gam is not None
+            ):
+                return _SLOW
+            ptr = _data_ptr(mg)
+            if ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
+                return _SLOW
+            keep(ptr)
+        return ptrs
+
+    def _fast_backward(self, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:
+        """The backward steady state of a small site (see `_fast_forward`), overwrite detection included.
+
+        The one anomaly it records itself is `overwrite_discards_microbatch` (not fatal: check mode does not
+        raise for it), computed exactly as the general path does.
+        """
+        getter = self.getter1
+        found = getter(self.owner1._parameters) if getter is not None else self.lookup()
+        checked = self.checked_ptr
+        wgrads = self.wgrads
+        plain = self.flag_reads
+        last = self.last_bwd_ptr
+        detect = mb > 0
+        flagged = 0
+        ptrs: list[int] = []
+        keep = ptrs.append
+        if record:
+            metas = self.buffer_meta
+            rows: list[tuple] = []
+            append = rows.append
+        for i, p in enumerate(found):
+            mg = p.main_grad
+            if plain:
+                ow = p.overwrite_main_grad
+                gam = p.grad_added_to_main_grad
+                fsdp = p.__fsdp_param__ is not _MISSING  # read for its presence: always True
+            else:
+                ow = getattr(p, "overwrite_main_grad", None)
+                gam = getattr(p, "grad_added_to_main_grad", None)
+                fsdp = hasattr(p, "__fsdp_param__")
+            if (ow is not True and ow is not False and ow is not None) or (
+                gam is not True and gam is not False and gam is not None
+            ):
+                return _SLOW
+            ptr = _data_ptr(mg)
+            if record:
+                dtype = mg.dtype
+                meta = metas[i]
+                if meta[0] != ptr or meta[1] is not dtype:  # a buffer new to this slot: validated first
+                    if ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
+                        return _SLOW
+                    meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
+            elif ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
+                return _SLOW
+            keep(ptr)
+            anomaly = None
+            if detect and ow is True and wgrads[i]:
+                distributed = getattr(getattr(p, "_gbuf", None), "is_data_distributed", None)
+                if (
+                    not distributed
+                    if distributed.__class__ is bool
+                    else _heuristic_overwrite(_fwd_ptr(fwd, i), last[i])
+                ):
+                    anomaly = OVERWRITE
+                    flagged += 1
+            if record:
+                append(
+                    (i, meta, ow, gam, fsdp) if anomaly is None else (i, meta, ow, gam, fsdp, A_NONE, anomaly)
+                )
+        self.last_bwd_ptr = ptrs
+        if flagged:
+            self.anomalies[OVERWRITE] = self.anomalies.get(OVERWRITE, 0) + flagged
+        if record:
+            rt = self.rt
+            n = len(rows)
+            rt.ring.push((n, rows, time_ns(), rt.step, mb, BACKWARD, self.index))
+            self.records += n
+        return None
+
+    def _inspect_vectorised(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:
+        """The steady state in C-level passes (map over the parameter list), recorded as one columnar entry.
 
         Returns what `_inspect` returns, or `_SLOW` (having changed nothing but `checked_ptr` entries it
-        validated) when a parameter needs the per-parameter path: something to expose, force or flag.
+        validated) when a parameter needs the per-parameter path: something to expose, force or flag (but an
+        overwrite, which it flags itself). A main_grad that is absent or not a tensor raises in the first two
+        passes, which `_inspect` turns into `_SLOW`.
         """
         rt = self.rt
         forward = phase == FORWARD
         if forward and rt.force_true:
             return _SLOW
-        takers = self.takers
-        if len(takers) == 1:
-            owner, getter, single = takers[0]
-            ps = (getter(owner._parameters),) if single else getter(owner._parameters)
-        else:
-            ps = []
-            for owner, getter, single in takers:
-                found = getter(owner._parameters)
-                if single:
-                    ps.append(found)
-                else:
-                    ps.extend(found)
-        mgs = list(map(getattr, ps, _R_MAIN_GRAD, _R_MISSING))
-        if not _TENSOR_ONLY.issuperset(map(type, mgs)):
-            return _SLOW
-        ows = list(map(getattr, ps, _R_OW, _R_NONE))
-        gams = list(map(getattr, ps, _R_GAM, _R_NONE))
+        found = self.lookup()
+        mgs = list(map(_main_grad_of, found))
+        ptrs = list(map(_data_ptr, mgs))
+        if self.flag_reads:
+            try:
+                ows = list(map(_ow_of, found))
+                gams = list(map(_gam_of, found))
+            except AttributeError:  # every main_grad is there (the passes above): a flag is absent
+                self.flag_reads = False
+        if not self.flag_reads:
+            ows = list(map(getattr, found, _R_OW, _R_NONE))
+            gams = list(map(getattr, found, _R_GAM, _R_NONE))
         if not (_FLAG_TYPES.issuperset(map(type, ows)) and _FLAG_TYPES.issuperset(map(type, gams))):
             return _SLOW
-        ptrs = list(map(_data_ptr, mgs))
         checked = self.checked_ptr
         if ptrs != checked:  # buffers not validated yet: compare element counts once per buffer
             wgrads = self.wgrads
             for i, ptr in enumerate(ptrs):
                 if ptr != checked[i]:
-                    if wgrads[i] and mgs[i].numel() != ps[i].numel() and not _is_distributed(ps[i]):
+                    if wgrads[i] and mgs[i].numel() != found[i].numel() and not _is_distributed(found[i]):
                         return _SLOW
-                    checked[i] = ptr
+                    self._set_checked(i, ptr)
+        anomalies = None
         if not forward and mb > 0 and True in ows:  # ows hold bools and None only: `in` is safe
-            distributed = list(map(getattr, map(getattr, ps, _R_GBUF, _R_NONE), _R_DISTRIBUTED, _R_NONE))
-            if not all(map(is_, distributed, _R_TRUE)):
+            try:
+                distributed = list(map(_gbuf_distributed_of, found))
+            except AttributeError:
+                distributed = list(
+                    map(getattr, map(getattr, found, _R_GBUF, _R_NONE), _R_DISTRIBUTED, _R_NONE)
+                )
+            if all(map(is_, distributed, _R_FALSE)):
+                # Megatron-FSDP with unsharded gradients, every parameter: each fused-wgrad slot whose flag is
+                # True discards the earlier micro-batches (what _overwrites_accumulation says), in C.
+                flags = list(map(and_, map(is_, ows, _R_TRUE), self.wgrads))
+                flagged = flags.count(True)
+                if flagged:
+                    anomalies = list(map(_OVERWRITE_IF.__getitem__, flags))
+            elif all(map(is_, distributed, _R_TRUE)):
+                flagged = 0
+            else:
                 last = self.last_bwd_ptr
                 wgrads = self.wgrads
+                flagged = 0
                 for i, ow in enumerate(ows):
-                    if (
-                        ow is True
-                        and wgrads[i]
-                        and _overwrites_accumulation(ps[i], fwd_ptrs[i] if fwd_ptrs else 0, last[i])
-                    ):
-                        return _SLOW
+                    if ow is True and wgrads[i]:
+                        d = distributed[i]
+                        if not d if d.__class__ is bool else _heuristic_overwrite(_fwd_ptr(fwd, i), last[i]):
+                            if anomalies is None:
+                                anomalies = [None] * len(ows)
+                            anomalies[i] = OVERWRITE
+                            flagged += 1
+            if flagged:
+                self.anomalies[OVERWRITE] = self.anomalies.get(OVERWRITE, 0) + flagged
         if record:
-            n = self.nslots
+            n = len(ptrs)
             dtypes = list(map(_dtype_of, mgs))
             cache = self.meta_cache
             if cache is not None and cache[0] == ptrs and cache[1] == dtypes:
@@ -528,16 +954,10 @@ class Site:
             else:
                 shapes = list(map(_shape_of, mgs))
                 devices = list(map(_device_of, mgs))
-                self.meta_cache = (ptrs[:], dtypes, shapes, devices)
-            fsdps = list(map(hasattr, ps, _R_FSDP))
-            ring = rt.ring
-            seq = ring.reserve(n)
-            ring.extend(
-                zip(
-                    range(seq, seq + n), repeat(time_ns()), repeat(rt.step), repeat(mb), repeat(phase),
-                    repeat(self.index), self.slot_ids, _R_TRUE, _R_FALSE, dtypes, shapes, devices, ptrs, ows,
-                    gams, fsdps, repeat(A_NONE), _R_NONE,
-                )
+                self.meta_cache = (ptrs, dtypes, shapes, devices)
+            fsdps = list(map(hasattr, found, _R_FSDP))
+            rt.ring.push(
+                (n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, time_ns(), rt.step, mb, phase, self.index)
             )  # fmt: skip
             self.records += n
         if not forward:
@@ -545,10 +965,8 @@ class Site:
             return None
         return ptrs if (record or rt.check) else None
 
-    def _inspect_each(
-        self, phase: int, mb: int, record: bool, fwd_ptrs: list[int] | None
-    ) -> list[int] | None:
-        """The per-parameter path: exposes, forces, flags and records anomalies; raises in check mode."""
+    def _inspect_each(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None) -> list[int] | None:
+        """The general per-parameter path: exposes, forces, flags and records anomalies; raises in check mode."""
         rt = self.rt
         forward = phase == FORWARD
         fix = rt.fix and forward
@@ -556,140 +974,142 @@ class Site:
         check = rt.check
         strict = self.strict and forward and not self.relax_once
         ptrs = [0] * self.nslots if (forward and (record or check)) else None
-        last = None if forward else self.last_bwd_ptr
+        # a fresh list for this backward's buffers: the previous one may be held by a ring entry
+        last = None if forward else list(self.last_bwd_ptr)
+        if last is not None:
+            self.last_bwd_ptr = last
         anomalies = self.anomalies
         problems: list[tuple[str, str, Any]] | None = None
+        rows: list[tuple] | None = None
         if record:
-            t = time_ns()
-            step = rt.step
-            append = rt.ring.append
-            next_seq = rt.ring.next_seq
-            site = self.index
+            t, step = time_ns(), rt.step
+            rows = []
+            append = rows.append
         checked = self.checked_ptr
         metas = self.buffer_meta
         strict_kind = self.strict
-        for owner, getter, single, names, wgrads, indices in self.groups:
-            params = owner._parameters
-            try:
-                found = (getter(params),) if single else getter(params)
-            except KeyError:  # a parameter was deleted: look the others up one by one
-                found = tuple(params.get(name) for name in names)
-            for i, p, wgrad in zip(indices, found, wgrads, strict=True):
+        try:
+            for owner, getter, single, names, wgrads, indices in self.groups:
+                params = owner._parameters
                 try:
-                    mg = getattr(p, "main_grad", _MISSING)
-                    ow = getattr(p, "overwrite_main_grad", None)
-                    gam = getattr(p, "grad_added_to_main_grad", None)
-                    # Fast path: a tensor buffer already validated, bool flags, nothing to change or flag.
-                    if (
-                        mg.__class__ is _Tensor
-                        and (ow is None or ow.__class__ is bool)
-                        and (gam is None or gam.__class__ is bool)
-                        and not force
-                    ):
-                        ptr = mg.data_ptr()
-                        if (ptr == checked[i] or not wgrad) and (
-                            last is None
-                            or not (
-                                ow is True
-                                and mb > 0
-                                and wgrad
-                                and _overwrites_accumulation(p, fwd_ptrs[i] if fwd_ptrs else 0, last[i])
-                            )
+                    found = (getter(params),) if single else getter(params)
+                except KeyError:  # a parameter was deleted: look the others up one by one
+                    found = tuple(params.get(name) for name in names)
+                for i, p, wgrad in zip(indices, found, wgrads, strict=True):
+                    try:
+                        mg = getattr(p, "main_grad", _MISSING)
+                        ow = getattr(p, "overwrite_main_grad", None)
+                        gam = getattr(p, "grad_added_to_main_grad", None)
+                        # Fast path: a tensor buffer already validated, bool flags, nothing to change or flag.
+                        if (
+                            mg.__class__ is _Tensor
+                            and (ow is None or ow.__class__ is bool)
+                            and (gam is None or gam.__class__ is bool)
+                            and not force
                         ):
-                            if last is None:
-                                if ptrs is not None:
-                                    ptrs[i] = ptr
-                            else:
-                                last[i] = ptr
+                            ptr = mg.data_ptr()
+                            if (ptr == checked[i] or not wgrad) and (
+                                last is None
+                                or not (
+                                    ow is True
+                                    and mb > 0
+                                    and wgrad
+                                    and _overwrites_accumulation(p, _fwd_ptr(fwd, i), last[i])
+                                )
+                            ):
+                                if last is None:
+                                    if ptrs is not None:
+                                        ptrs[i] = ptr
+                                else:
+                                    last[i] = ptr
+                                if record:
+                                    meta = metas[i]
+                                    dtype = mg.dtype
+                                    if meta[0] != ptr or meta[1] is not dtype:
+                                        meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
+                                    append((i, meta, ow, gam, hasattr(p, "__fsdp_param__")))
+                                continue
+                        # Slow path: anything missing, odd, to expose, to force, or to flag.
+                        if p is None:
+                            anomalies[PARAM_MISSING] = anomalies.get(PARAM_MISSING, 0) + 1
                             if record:
-                                meta = metas[i]
-                                dtype = mg.dtype
-                                if meta[0] != ptr or meta[1] is not dtype:
-                                    meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
+                                append((i, False, None, None, None, False, A_NONE, PARAM_MISSING))
+                            continue
+                        action = A_NONE
+                        anomaly = None
+                        if mg.__class__ is _Tensor:
+                            is_tensor = True
+                        else:
+                            if (
+                                fix
+                                and (mg is None or mg is _MISSING)
+                                and (strict_kind or not _refreshable(p))
+                            ):
+                                mg, action, anomaly = self._expose(p, mg)
+                            is_tensor = isinstance(mg, _Tensor)
+                        if force and hasattr(p, "overwrite_main_grad"):  # opt-in policy "force_true"
+                            p.overwrite_main_grad = ow = True  # maingrad: ignore[MG006]
+                        if (ow is not None and ow.__class__ is not bool) or (
+                            gam is not None and gam.__class__ is not bool
+                        ):
+                            if ow.__class__ is not bool:
+                                ow = None
+                            if gam.__class__ is not bool:
+                                gam = None
+                            if wgrad and anomaly is None:
+                                anomaly = FLAG
+                        if is_tensor:
+                            ptr = mg.data_ptr()
+                            if ptrs is not None and action == A_NONE:
+                                ptrs[i] = ptr
+                            if last is not None:
+                                if (
+                                    ow is True
+                                    and mb > 0
+                                    and wgrad
+                                    and _overwrites_accumulation(p, _fwd_ptr(fwd, i), last[i])
+                                ):
+                                    anomaly = OVERWRITE
+                                last[i] = ptr
+                            if ptr != checked[i] and wgrad:  # a buffer not validated yet: compare sizes once
+                                if mg.numel() != p.numel() and not _is_distributed(p):
+                                    anomaly = SHAPE
+                                else:
+                                    self._set_checked(i, ptr)
+                        else:
+                            ptr = None
+                            if last is not None:
+                                last[i] = 0
+                            if wgrad and anomaly in (None, FLAG) and (strict or not _refreshable(p)):
+                                anomaly = MISSING if mg is _MISSING else NONE if mg is None else NOT_TENSOR
+                        if anomaly is not None:
+                            anomalies[anomaly] = anomalies.get(anomaly, 0) + 1
+                            if check and wgrad and anomaly in FATAL_ANOMALIES:
+                                action = A_RAISED
+                                if problems is None:
+                                    problems = []
+                                problems.append((self.relnames[i], anomaly, p))
+                        if record:
+                            if is_tensor:
                                 append(
                                     (
-                                        next_seq(), t, step, mb, phase, site, i, True, False, dtype, meta[2],
-                                        meta[3], ptr, ow, gam, hasattr(p, "__fsdp_param__"), A_NONE, None,
+                                        i, (ptr, mg.dtype, mg.shape, mg.device), ow, gam,
+                                        hasattr(p, "__fsdp_param__"), action, anomaly,
                                     )
                                 )  # fmt: skip
-                            continue
-                    # Slow path: anything missing, odd, to expose, to force, or to flag.
-                    if p is None:
-                        anomalies[PARAM_MISSING] = anomalies.get(PARAM_MISSING, 0) + 1
-                        if record:
-                            append(
-                                (next_seq(), t, step, mb, phase, site, i, False, None, None, None, None, None)
-                                + (None, None, False, A_NONE, PARAM_MISSING)
-                            )
-                        continue
-                    action = A_NONE
-                    anomaly = None
-                    if mg.__class__ is _Tensor:
-                        is_tensor = True
-                    else:
-                        if fix and (mg is None or mg is _MISSING) and (strict_kind or not _refreshable(p)):
-                            mg, action, anomaly = self._expose(p, mg)
-                        is_tensor = isinstance(mg, _Tensor)
-                    if force and hasattr(p, "overwrite_main_grad"):  # opt-in policy "force_true"
-                        p.overwrite_main_grad = ow = True  # maingrad: ignore[MG006]
-                    if (ow is not None and ow.__class__ is not bool) or (
-                        gam is not None and gam.__class__ is not bool
-                    ):
-                        if ow.__class__ is not bool:
-                            ow = None
-                        if gam.__class__ is not bool:
-                            gam = None
-                        if wgrad and anomaly is None:
-                            anomaly = FLAG
-                    if is_tensor:
-                        ptr = mg.data_ptr()
-                        if ptrs is not None and action == A_NONE:
-                            ptrs[i] = ptr
-                        if last is not None:
-                            if (
-                                ow is True
-                                and mb > 0
-                                and wgrad
-                                and _overwrites_accumulation(p, fwd_ptrs[i] if fwd_ptrs else 0, last[i])
-                            ):
-                                anomaly = OVERWRITE
-                            last[i] = ptr
-                        if ptr != checked[i] and wgrad:  # a buffer not validated yet: compare sizes once
-                            if mg.numel() != p.numel() and not _is_distributed(p):
-                                anomaly = SHAPE
                             else:
-                                checked[i] = ptr
-                    else:
-                        ptr = None
-                        if last is not None:
-                            last[i] = 0
-                        if wgrad and anomaly in (None, FLAG) and (strict or not _refreshable(p)):
-                            anomaly = MISSING if mg is _MISSING else NONE if mg is None else NOT_TENSOR
-                    if anomaly is not None:
-                        anomalies[anomaly] = anomalies.get(anomaly, 0) + 1
-                        if check and wgrad and anomaly in FATAL_ANOMALIES:
-                            action = A_RAISED
-                            if problems is None:
-                                problems = []
-                            problems.append((self.relnames[i], anomaly, p))
-                    if record:
-                        if is_tensor:
-                            append(
-                                (
-                                    next_seq(), t, step, mb, phase, site, i, True, False, mg.dtype, mg.shape,
-                                    mg.device, ptr, ow, gam, hasattr(p, "__fsdp_param__"), action, anomaly,
-                                )
-                            )  # fmt: skip
-                        else:
-                            has = mg is not _MISSING
-                            append(
-                                (
-                                    next_seq(), t, step, mb, phase, site, i, has, (mg is None) if has else None,
-                                    None, None, None, None, ow, gam, hasattr(p, "__fsdp_param__"), action, anomaly,
-                                )
-                            )  # fmt: skip
-                except Exception as exc:  # noqa: BLE001 - one bad parameter must not hide the others
-                    rt.hook_error(self, phase, mb, i, exc)
+                                has = mg is not _MISSING
+                                append(
+                                    (
+                                        i, has, (mg is None) if has else None, ow, gam,
+                                        hasattr(p, "__fsdp_param__"), action, anomaly,
+                                    )
+                                )  # fmt: skip
+                    except Exception as exc:  # noqa: BLE001 - one bad parameter must not hide the others
+                        rt.hook_error(self, phase, mb, i, exc, rows)
+        finally:
+            if rows:  # whatever was recorded, even if something above escaped
+                rt.ring.push((len(rows), rows, t, step, mb, phase, self.index))
         if record:
             self.records += self.nslots
         if problems:

@@ -13,7 +13,7 @@ import torch
 from emulators import MegatronFSDP, batches, fsdp_run, make_layer
 from maingrad.cli.main import main as cli_main
 from maingrad.hooks import HttpSink, JsonlSink, MemorySink, expose_main_grad, install
-from maingrad.hooks.records import FIELDS, RecordRing, RunMeta, validate
+from maingrad.hooks.records import FIELDS, RecordRing, RunMeta, to_dict, to_dicts, validate
 
 
 def _train(**kwargs):
@@ -61,22 +61,118 @@ def test_commit_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     handle.remove()
 
 
+def _entry(rows: int, site: int = 0) -> tuple:
+    """A ring entry of `rows` rows (parameter missing), as a hook pushes it for one call."""
+    slots = [(i, False, None, None, None, False, 0, "param_missing") for i in range(rows)]
+    return (rows, slots, 123, 0, 0, 0, site)
+
+
 def test_ring_buffer_is_bounded_and_counts_overflow() -> None:
     ring = RecordRing(4)
     for _ in range(3):
-        ring.append((ring.next_seq(),))
+        ring.push(_entry(1))
     assert [r[0] for r in ring.take_new()] == [1, 2, 3]
     assert ring.take_new() == []
     for _ in range(6):
-        ring.append((ring.next_seq(),))
+        ring.push(_entry(1))
     assert [r[0] for r in ring.take_new()] == [6, 7, 8, 9]
     assert ring.overflow == 2 and len(ring) == 4
+    # entries of several rows: the newest `capacity` rows survive, as in a deque(maxlen=capacity) of rows
+    ring = RecordRing(5)
+    ring.push(_entry(3, site=1))
+    ring.push(_entry(3, site=2))
+    assert [(r[0], r[5], r[6]) for r in ring.snapshot()] == [
+        (2, 1, 1),
+        (3, 1, 2),
+        (4, 2, 0),
+        (5, 2, 1),
+        (6, 2, 2),
+    ]
+    ring.push(_entry(3, site=3))
+    assert [r[0] for r in ring.take_new()] == [5, 6, 7, 8, 9]
+    assert ring.overflow == 4 and ring.take_new() == []
+    ring.push(_entry(7))
+    assert ring.skip_new() == 5 and ring.overflow == 6 and ring.take_new() == []
+    assert [r[0] for r in ring.snapshot()] == [12, 13, 14, 15, 16]
+    # memory: whole generations are freed, so fewer than 2 x capacity rows plus one call's are ever held
+    ring = RecordRing(100)
+    for size in [1, 7, 30, 3, 128] * 40:
+        ring.push(_entry(size))
+        assert ring.held + ring.held_previous < 2 * 100 + 128
+        assert len(ring) == min(100, ring.total)
+    assert [r[0] for r in ring.take_new()] == list(range(ring.total - 99, ring.total + 1))
     handle = _train(capacity=10, sinks=["memory"])
     summary = handle.summary()
     handle.remove()
     # 32 rows per step, ring of 10 flushed at each step: 22 lost per step
     assert summary.ring_overflow == 44
     assert handle.sinks[0].stats()["emitted"] == 20
+
+
+def test_overflow_is_counted_without_sinks_too() -> None:
+    handle = _train(capacity=10)
+    assert handle.summary().ring_overflow == 44
+    assert len(handle.records()) == 10
+    assert [r["id"] for r in handle.records()] == [f"r1:3:{n}" for n in range(55, 65)]
+    handle.remove()
+
+
+def test_batch_conversion_equals_to_dict() -> None:
+    model = MegatronFSDP(make_layer(), "optim")
+    handle = install(model, "observe", run="c", rank=1, commit="cafe")  # 0.18.2 fails: anomaly rows too
+    with pytest.raises(RuntimeError):
+        fsdp_run(model, batches(1, 1))
+    rows = handle._rt.ring.snapshot()
+    good = _train()
+    rows_good = good._rt.ring.snapshot()
+    error_row = (
+        99,
+        5,
+        0,
+        1,
+        1,
+        0,
+        -1,
+        False,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        False,
+        3,
+        "hook_error",
+    )
+    for h, rs in ((handle, rows + [error_row]), (good, rows_good)):
+        want = [to_dict(r, h.meta, h._modules, h._params) for r in rs]
+        got = to_dicts(rs, h.meta, h._modules, h._params)
+        assert got == want and all(tuple(r) == FIELDS for r in got)
+        shapes = [r["shape"] for r in got if r["shape"] is not None]
+        assert len({id(s) for s in shapes}) == len(shapes)  # every record owns its shape list
+    handle.remove()
+    good.remove()
+
+
+def test_the_ring_holds_no_tensor() -> None:
+    """Rows keep dtype/shape/device objects and ints only: no main_grad buffer outlives its owner because of us."""
+    import gc
+    from collections import deque
+
+    handle = _train()
+    seen, todo, kinds = set(), [handle._rt.ring], set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        kinds.add(type(obj))
+        assert not isinstance(obj, torch.Tensor)
+        if isinstance(obj, (RecordRing, tuple, list, deque)):
+            todo.extend(gc.get_referents(obj))
+    assert torch.Size in kinds and torch.device in kinds and torch.dtype in kinds
+    handle.remove()
 
 
 def test_memory_and_jsonl_sinks(tmp_path: Path) -> None:
