@@ -162,7 +162,10 @@ Transformer Engine 2.20.2 replaces the three ops by its CuTe grouped-MLP op, whi
 in backward (`get_main_grad_from_param`), only when `NVTE_CUTEDSL_FUSED_GROUPED_MLP=1` is set on an SM 10.x
 GPU with cuDNN's frontend kernels installed (`_GroupedMLP_CuTeGEMMBase.is_supported`). Neither class asks for
 that variable (0.19.2's `TEGroupedMLP` asserts it), so by default the basic `GroupedLinear.fuser_forward`
-runs and raises `MAIN GRAD NOT FOUND` under Megatron-FSDP. Both are reported.
+runs and raises `MAIN GRAD NOT FOUND` under Megatron-FSDP. Both are reported, and both were measured on an
+H200 (2026-12-03, TE 2.20.2, Megatron-FSDP, their recipe set to FP8 current scaling, which SM 9.0 runs; the
+`main_grad` check comes before any quantization): as shipped, the first forward of each raises
+`MAIN GRAD NOT FOUND` (grouped_linear.py:1013); with `maingrad.hooks.install(model)` the dense one trains.
 """
 
     VALID = [
