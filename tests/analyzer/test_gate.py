@@ -9,7 +9,6 @@ fails as well.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from maingrad.analyzer.rules import mg008_missing_grad_added_to_main_grad as mg0
 from maingrad.analyzer.rules.base import Example, Rule
 from maingrad.analyzer.syntax_index import NO_GATE_ENV, build_index
 from maingrad.cli.main import main
+
+from tests.testbeds import testbed as bed_dir
 
 RULES = rules_by_id()
 
@@ -57,16 +58,6 @@ def _findings(rule_id: str, code: str, path: str = "pkg/mod.py") -> list[str]:
 
 
 # 1. Real code: megatron-core 0.18.2 / 0.19.2 and Transformer Engine 2.20.2 -------------------------------
-def _load_testbeds() -> typing.Any:
-    spec = importlib.util.spec_from_file_location(
-        "maingrad_testbeds", Path(__file__).parents[1] / "testbeds.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _check(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
     config = tmp_path / "pyproject.toml"
     config.write_text("[tool.maingrad]\n", encoding="utf-8")
@@ -101,7 +92,7 @@ _BEDS = {"megatron-core-0.18.2": 3, "megatron-core-0.19.2": 4, "transformer-engi
 def test_real_code_same_report_with_and_without_gate(
     bed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = _load_testbeds().testbed(bed)
+    root = bed_dir(bed)
     args = ("--warn-unused-ignores", "--jobs", "1")
     gated = _check(root, tmp_path, capsys, *args)
     monkeypatch.setenv(NO_GATE_ENV, "1")
@@ -122,7 +113,7 @@ def test_real_code_same_report_with_and_without_gate(
 @pytest.mark.network
 @pytest.mark.slow
 def test_big_megatron_files_are_not_parsed() -> None:
-    root = _load_testbeds().testbed("megatron-core-0.19.2")
+    root = bed_dir("megatron-core-0.19.2")
     rules = [rule() for rule in all_rules()]
     for rel in (
         "megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py",

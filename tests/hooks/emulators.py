@@ -657,6 +657,15 @@ def fsdp_run(
     return grads, losses
 
 
+def assert_grads_equal(got: list[dict], ref: list[dict]) -> None:
+    """Per step, the same parameters with gradients equal to the reference's (fp32 round-off)."""
+    assert len(got) == len(ref)
+    for step, (g, r) in enumerate(zip(got, ref, strict=True)):
+        assert set(g) == set(r)
+        for name in r:
+            torch.testing.assert_close(g[name], r[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+
+
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     worst = 0.0
     for name, ref in b.items():

@@ -12,6 +12,7 @@ from emulators import (
     SPLITS,
     STRATEGIES,
     MegatronFSDP,
+    assert_grads_equal,
     batches,
     fsdp_run,
     make_layer,
@@ -21,14 +22,6 @@ from emulators import (
 from maingrad.hooks import MainGradContractError, MainGradHooksWarning, install
 
 STEPS = 2
-
-
-def _assert_grads_equal(got: list[dict], ref: list[dict]) -> None:
-    assert len(got) == len(ref)
-    for step, (g, r) in enumerate(zip(got, ref, strict=True)):
-        assert set(g) == set(r)
-        for name in r:
-            torch.testing.assert_close(g[name], r[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -61,7 +54,7 @@ def test_install_trains_and_matches_reference(strategy: str, microbatches: int, 
     model = MegatronFSDP(make_layer(), strategy)
     handle = install(model, sample_every=sample_every)  # overwrite_policy="keep" (default)
     grads, losses = fsdp_run(model, data, on_step=handle.step)
-    _assert_grads_equal(grads, ref_grads)
+    assert_grads_equal(grads, ref_grads)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     summary = handle.summary()
     assert summary.ok, summary.table()
@@ -108,7 +101,7 @@ def test_megatron_core_019_shipped_needs_no_hooks(strategy: str) -> None:
     model = MegatronFSDP(make_layer(version="0.19.2"), strategy)
     grads, _ = fsdp_run(model, data)
     if strategy in ("optim_grads", "optim_grads_params"):
-        _assert_grads_equal(grads, ref_grads)
+        assert_grads_equal(grads, ref_grads)
     else:
         # its forced overwrite_main_grad=True under Megatron-FSDP-main flags (False for no_shard/optim)
         # makes the second micro-batch overwrite the first in the emulator: see test_force_true_*.
@@ -130,7 +123,7 @@ def test_hooks_fix_019_with_its_own_exposure_disabled(strategy: str, monkeypatch
     model = MegatronFSDP(make_layer(version="0.19.2"), strategy)
     handle = install(model)
     grads, _ = fsdp_run(model, data, on_step=handle.step)
-    _assert_grads_equal(grads, ref_grads)
+    assert_grads_equal(grads, ref_grads)
     handle.remove()
 
 
@@ -158,7 +151,7 @@ def test_force_true_in_the_emulator(strategy: str, microbatches: int) -> None:
     handle.remove()
     loses = microbatches > 1 and strategy in ("no_shard", "optim")
     if not loses:
-        _assert_grads_equal(grads, ref_grads)
+        assert_grads_equal(grads, ref_grads)
         assert "overwrite_discards_microbatch" not in anomalies
         return
     last = _last_microbatch_reference(data)[0]
@@ -194,7 +187,7 @@ def test_install_before_wrapping_warns_and_still_fixes() -> None:
     data = batches(STEPS, 2)
     ref_grads, _ = reference_run(data)
     grads, _ = fsdp_run(model, data, on_step=handle.step)
-    _assert_grads_equal(grads, ref_grads)
+    assert_grads_equal(grads, ref_grads)
     handle.remove()
 
 
@@ -269,7 +262,7 @@ def test_observe_does_not_flag_what_the_containers_own_exposure_fixes(version: s
     anomalies = handle.summary().anomalies
     assert "main_grad_missing" not in anomalies and "main_grad_none" not in anomalies, anomalies
     assert {r["action"] for r in handle.records()} == {"none"}
-    _assert_grads_equal(grads, ref_grads)
+    assert_grads_equal(grads, ref_grads)
     handle.remove()
 
 
