@@ -132,6 +132,7 @@ _EXPOSING_METHODS = ("_ensure_main_grad", "_expose_main_grad_for_fused_ops")
 
 
 _NO_META: tuple = (0, None, None, None)
+_NO_ROWS: tuple = ((-1, None, None, None, None),)  # matches no row (a row's meta is never None)
 
 
 def _self_exposing(cls: type) -> bool:
@@ -281,6 +282,8 @@ class Site:
         "anomalies",
         "mb",
         "last_bwd_ptr",
+        "fwd_rows",
+        "bwd_rows",
         "pending",
         "order_checked",
         "checked_ptr",
@@ -288,6 +291,7 @@ class Site:
         "late_handle",
         "late_ref",
         "pre_ptrs",
+        "exact_overwrite",
         "relax_once",
         "__weakref__",
     )
@@ -359,6 +363,12 @@ class Site:
         # of the same address with another shape but the same dtype would be recorded with the first shape;
         # buffers that TE writes are shaped like their parameter, which the element-count check validates.
         self.buffer_meta: list[tuple] = [_NO_META] * self.nslots
+        # The rows (a tuple, one 5-row per slot) of the last recorded steady-state forward / backward of a small
+        # site. A call whose rows are all the same objects (same meta, flags) pushes that tuple again instead of
+        # building new ones: in the steady state a recorded call then allocates one entry, not a list and a
+        # tuple per slot that the ring would keep alive (allocation, and garbage-collector work).
+        self.fwd_rows: tuple = _NO_ROWS * self.nslots
+        self.bwd_rows: tuple = _NO_ROWS * self.nslots
         self.fwd_calls = 0
         self.bwd_calls = 0
         self.records = 0
@@ -374,7 +384,11 @@ class Site:
         self.order_checked = False
         self.late_handle: Any = None  # our pre-hook on a container's fused object (see container_pre_forward)
         self.late_ref: weakref.ref | None = None
-        self.pre_ptrs: list[int] | None = None  # main_grad data_ptrs seen at the container's pre-forward
+        self.pre_ptrs: Sequence[int] | None = None  # main_grad data_ptrs seen at the container's pre-forward
+        # The last backward that asked whether an overwrite discards micro-batches got Megatron-FSDP's exact
+        # answer (`_gbuf.is_data_distributed` a bool) for every slot it asked about: the heuristic, and the
+        # container's snapshot of starting buffers it needs, are not needed (see container_pre_forward).
+        self.exact_overwrite = False
         self.relax_once = False
 
     @property
@@ -392,7 +406,8 @@ class Site:
         fused kernels, so what is recorded at forward is what the fused op sees. Here we then only note which
         main_grad buffers the call starts with, for the overwrite heuristic of its backward: only when the
         call is recorded (or checked) and is not a step's first micro-batch, the only calls whose backward
-        reads them. Before the fused object exists (the first call) the work is done here.
+        reads them, and only until a backward finds Megatron-FSDP's exact answer (`exact_overwrite`). Before the
+        fused object exists (the first call) the work is done here.
         """
         rt = self.rt
         if not rt.live:
@@ -409,7 +424,9 @@ class Site:
                     self.order_checked = self.lean = False
                 every = self.every
                 if self.mb > 0 and ((every > 0 and self.fwd_calls % every == 0) or rt.check):
-                    self.pre_ptrs = self._current_ptrs()
+                    # () where Megatron-FSDP answered exactly last time: no pass over the parameters; should a
+                    # slot need the heuristic after all, () reads as "unknown", which flags nothing
+                    self.pre_ptrs = () if self.exact_overwrite else self._current_ptrs()
                 return None
             # First call: the container's own exposure (0.19+) has not run yet; do not flag what it will fix.
             self.relax_once = _self_exposing(type(module))
@@ -473,8 +490,8 @@ class Site:
                     found = getter(self.owner1._parameters) if getter is not None else self.lookup()
                     plain = self.flag_reads
                     metas = self.buffer_meta
-                    rows: list[tuple] = []
-                    append = rows.append
+                    last = self.fwd_rows
+                    rows = None  # stays None while every row is the last call's
                     for i, p in enumerate(found):
                         mg = p.main_grad
                         if plain:
@@ -502,8 +519,17 @@ class Site:
                             ):
                                 break
                             meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
-                        append((i, meta, ow, gam, fsdp))
+                        if rows is None:
+                            row = last[i]
+                            if row[1] is meta and row[2] is ow and row[3] is gam and row[4] is fsdp:
+                                continue
+                            rows = list(last[:i])
+                        rows.append((i, meta, ow, gam, fsdp))
                     else:
+                        if rows is None:
+                            rows = last
+                        else:
+                            rows = self.fwd_rows = tuple(rows)
                         rt = self.rt
                         n = self.nslots
                         rt.ring.push((n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
@@ -748,14 +774,15 @@ class Site:
         return self._fast_rows(mb) if record else self._fast_ptrs()
 
     def _fast_rows(self, mb: int) -> Any:
-        """`_fast_forward` recording: rows (slot, meta, ow, gam, fsdp), one ring entry. pre_forward's lean
-        branch runs the same loop inline; tests/hooks/test_hooks_paths.py holds both to the general path."""
+        """`_fast_forward` recording: rows (slot, meta, ow, gam, fsdp), one ring entry; the last call's rows
+        tuple again when nothing changed (see `fwd_rows`). pre_forward's lean branch runs the same loop inline;
+        tests/hooks/test_hooks_paths.py holds both to the general path."""
         getter = self.getter1
         found = getter(self.owner1._parameters) if getter is not None else self.lookup()
         plain = self.flag_reads
         metas = self.buffer_meta
-        rows: list[tuple] = []
-        append = rows.append
+        last = self.fwd_rows
+        rows = None  # stays None while every row is the last call's
         for i, p in enumerate(found):
             mg = p.main_grad
             if plain:
@@ -777,7 +804,16 @@ class Site:
                 if ptr != self.checked_ptr[i] and self.wgrads[i] and not self._validate(i, p, mg, ptr):
                     return _SLOW
                 meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
-            append((i, meta, ow, gam, fsdp))
+            if rows is None:
+                row = last[i]
+                if row[1] is meta and row[2] is ow and row[3] is gam and row[4] is fsdp:
+                    continue
+                rows = list(last[:i])
+            rows.append((i, meta, ow, gam, fsdp))
+        if rows is None:
+            rows = last
+        else:
+            rows = self.fwd_rows = tuple(rows)
         rt = self.rt
         n = self.nslots
         rt.ring.push((n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
@@ -825,12 +861,13 @@ class Site:
         last = self.last_bwd_ptr
         detect = mb > 0
         flagged = 0
+        exact = None  # None: no slot asked (see exact_overwrite)
         ptrs: list[int] = []
         keep = ptrs.append
         if record:
             metas = self.buffer_meta
-            rows: list[tuple] = []
-            append = rows.append
+            last_rows = self.bwd_rows
+            rows = None  # stays None while every row is the last call's (see fwd_rows)
         for i, p in enumerate(found):
             mg = p.main_grad
             if plain:
@@ -859,21 +896,40 @@ class Site:
             anomaly = None
             if detect and ow is True and wgrads[i]:
                 distributed = getattr(getattr(p, "_gbuf", None), "is_data_distributed", None)
-                if (
-                    not distributed
-                    if distributed.__class__ is bool
-                    else _heuristic_overwrite(_fwd_ptr(fwd, i), last[i])
-                ):
-                    anomaly = OVERWRITE
-                    flagged += 1
+                if distributed.__class__ is bool:
+                    exact = exact is not False
+                    if not distributed:
+                        anomaly = OVERWRITE
+                        flagged += 1
+                else:
+                    exact = False
+                    if _heuristic_overwrite(_fwd_ptr(fwd, i), last[i]):
+                        anomaly = OVERWRITE
+                        flagged += 1
             if record:
-                append(
-                    (i, meta, ow, gam, fsdp) if anomaly is None else (i, meta, ow, gam, fsdp, A_NONE, anomaly)
-                )
+                if anomaly is None:
+                    if rows is None:
+                        row = last_rows[i]
+                        if row[1] is meta and row[2] is ow and row[3] is gam and row[4] is fsdp:
+                            continue
+                        rows = list(last_rows[:i])
+                    rows.append((i, meta, ow, gam, fsdp))
+                else:
+                    if rows is None:
+                        rows = list(last_rows[:i])
+                    rows.append((i, meta, ow, gam, fsdp, A_NONE, anomaly))
         self.last_bwd_ptr = ptrs
+        if exact is not None:
+            self.exact_overwrite = exact
         if flagged:
             self.anomalies[OVERWRITE] = self.anomalies.get(OVERWRITE, 0) + flagged
         if record:
+            if rows is None:
+                rows = last_rows
+            elif flagged:
+                rows = tuple(rows)  # holds anomaly rows: never reused (bwd_rows holds 5-rows only)
+            else:
+                rows = self.bwd_rows = tuple(rows)
             rt = self.rt
             n = len(rows)
             rt.ring.push((n, rows, time_ns(), rt.step, mb, BACKWARD, self.index))
@@ -925,13 +981,16 @@ class Site:
             if all(map(is_, distributed, _R_FALSE)):
                 # Megatron-FSDP with unsharded gradients, every parameter: each fused-wgrad slot whose flag is
                 # True discards the earlier micro-batches (what _overwrites_accumulation says), in C.
+                self.exact_overwrite = True
                 flags = list(map(and_, map(is_, ows, _R_TRUE), self.wgrads))
                 flagged = flags.count(True)
                 if flagged:
                     anomalies = list(map(_OVERWRITE_IF.__getitem__, flags))
             elif all(map(is_, distributed, _R_TRUE)):
+                self.exact_overwrite = True
                 flagged = 0
             else:
+                self.exact_overwrite = all(d.__class__ is bool for d in distributed)
                 last = self.last_bwd_ptr
                 wgrads = self.wgrads
                 flagged = 0

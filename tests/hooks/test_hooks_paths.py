@@ -251,18 +251,33 @@ def test_a_new_buffer_at_a_known_address_is_validated_again() -> None:
     handle.remove()
 
 
-def test_containers_note_their_starting_buffers_only_where_a_backward_reads_them(monkeypatch) -> None:
+@pytest.mark.parametrize("exact", [True, False], ids=["gbuf", "no-gbuf"])
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_containers_note_their_starting_buffers_only_where_a_backward_reads_them(
+    exact: bool, vectorised: bool, monkeypatch
+) -> None:
     """The overwrite heuristic compares a micro-batch's starting buffers with the previous backward's, for
-    micro-batches >= 1 only: a step's first micro-batch (and an unrecorded call) takes no snapshot."""
+    micro-batches >= 1 only: a step's first micro-batch (and an unrecorded call) takes no snapshot. Once a
+    backward finds Megatron-FSDP's exact answer (`_gbuf.is_data_distributed`), the snapshots stop; without
+    `_gbuf` they go on, and the heuristic flags what the exact answer would."""
+    monkeypatch.setattr(instrument, "VECTORISED_MIN_PARAMS", 1 if vectorised else 10**9)
     calls = []
     original = instrument.Site._current_ptrs
     monkeypatch.setattr(
         instrument.Site, "_current_ptrs", lambda self: calls.append(self.mb) or original(self)
     )
     model = MegatronFSDP(make_layer(version="0.19.2"), "optim")
+    if not exact:
+        for param in model.raw.values():
+            del param._gbuf
     handle = install(model, "observe")
     fsdp_run(model, batches(2, 3), on_step=handle.step)  # the first call builds the fused object
-    assert calls == [1, 2, 1, 2]
+    (site,) = handle._sites
+    assert site.exact_overwrite is exact
+    assert calls == ([1] if exact else [1, 2, 1, 2])
+    # optim keeps the persistent buffer: from micro-batch 1 on every backward overwrites (0.19.2 forces it)
+    flagged = [r for r in handle.records() if r["anomaly"] == "overwrite_discards_microbatch"]
+    assert {(r["step"], r["microbatch"]) for r in flagged} == {(s, m) for s in (0, 1) for m in (1, 2)}
     handle.remove()
 
 
@@ -329,3 +344,57 @@ def test_backward_inspection_runs_once_per_backward(leaf_output: bool) -> None:
     phases = [r["phase"] for r in handle.records()]
     assert phases == ["forward", "forward", "backward", "backward"] * calls
     handle.remove()
+
+
+def _changing_run(general: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict], list[tuple]]:
+    """A small lean site over calls where one slot at a time changes (a flag, its buffer, an overwrite that
+    is flagged), each followed by an unchanged call; returns its records and the ring's entries."""
+    if general:
+        _general_only(monkeypatch)
+    module = _Fused(3)
+    for param in module.parameters():
+        param.main_grad = torch.zeros(4, 4)
+        param.__fsdp_param__ = True
+        param.overwrite_main_grad = False
+        param.grad_added_to_main_grad = False
+    handle = install(module, "observe", run="reuse")
+    params = list(module.parameters())
+    changes = [
+        lambda: None,
+        lambda: setattr(params[0], "overwrite_main_grad", True),  # first slot; flagged from micro-batch 1 on
+        lambda: setattr(params[1], "grad_added_to_main_grad", True),  # middle slot
+        lambda: setattr(params[2], "main_grad", torch.zeros(4, 4)),  # last slot: another buffer
+        lambda: setattr(params[0], "overwrite_main_grad", False),
+        lambda: setattr(params[1], "main_grad", torch.zeros(16)),  # a flat view of the right size
+    ]
+    for change in changes:
+        change()
+        _step(module)
+        _step(module)  # unchanged
+    entries = list(handle._rt.ring.current)
+    records = [{**r, "t_ns": None, "data_ptr": r["data_ptr"] is not None} for r in handle.records()]
+    handle.remove()
+    return records, entries
+
+
+def test_unchanged_small_site_calls_push_the_last_rows_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small site's steady-state call whose rows equal the last call's (same buffer metadata and flags, per
+    phase) pushes the same rows tuple instead of new rows; any change in any slot builds new ones. Records stay
+    exactly the general path's."""
+    records, entries = _changing_run(False, monkeypatch)
+    general, _ = _changing_run(True, monkeypatch)
+    assert records == general and len(records) == 12 * 2 * 3
+    overwrites = [r for r in records if r["anomaly"] == "overwrite_discards_microbatch"]
+    assert overwrites and all(r["phase"] == "backward" and r["param"] == "weight0" for r in overwrites)
+    forwards = [e for e in entries if len(e) == 7 and e[5] == instrument.FORWARD]
+    backwards = [e for e in entries if len(e) == 7 and e[5] == instrument.BACKWARD]
+    assert len(forwards) == len(backwards) == 12
+    # forward: the second call of each pair reuses the first's rows; a change never does
+    reused = [b[1] is a[1] for a, b in zip(forwards, forwards[1:], strict=False)]
+    assert reused[0::2] == [True] * 6
+    assert not any(reused[1::2])  # every change shows in the forward's rows
+    # backward rows holding an overwrite anomaly are never pushed again as the steady rows
+    for entry in backwards:
+        flagged = [row for row in entry[1] if len(row) == 7]
+        if flagged:
+            assert all(row[6] == "overwrite_discards_microbatch" for row in flagged)
