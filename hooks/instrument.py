@@ -133,6 +133,7 @@ _EXPOSING_METHODS = ("_ensure_main_grad", "_expose_main_grad_for_fused_ops")
 
 _NO_META: tuple = (0, None, None, None)
 _NO_ROWS: tuple = ((-1, None, None, None, None),)  # matches no row (a row's meta is never None)
+_NO_COLUMNS: tuple = (None,) * 7  # equals no column (a list)
 
 
 def _self_exposing(cls: type) -> bool:
@@ -270,7 +271,7 @@ class Site:
         "lean",
         "flag_reads",
         "wgrads",
-        "meta_cache",
+        "columns",
         "nslots",
         "relnames",
         "fwd_calls",
@@ -353,9 +354,11 @@ class Site:
         self.flag_reads = True
         # The hook's shortest way (see pre_forward): set once the first call has checked the hook order.
         self.lean = False
-        # (data_ptrs, dtypes, shapes, devices) of the buffers last recorded by the vectorised path: a call
-        # that finds the same buffers reuses the shape and device lists (see buffer_meta).
-        self.meta_cache: tuple | None = None
+        # The columns (data_ptrs, dtypes, shapes, devices, ows, gams, fsdps) the vectorised path last pushed. A
+        # call that finds the same buffers reuses their shape and device lists (see buffer_meta); each column
+        # equal to the last call's is pushed as that same list, so a steady call keeps one entry alive in the
+        # ring instead of five new lists and 128 ints (memory the next calls would touch cold).
+        self.columns: tuple = _NO_COLUMNS
         self.checked_ptr = [0] * self.nslots  # data_ptr whose element count was last found right, per slot
         # Per slot (data_ptr, dtype, shape, device) of the buffer last recorded: a record of the same buffer
         # (same address and dtype) reuses them instead of building a torch.Size and a torch.device per row
@@ -1007,14 +1010,20 @@ class Site:
         if record:
             n = len(ptrs)
             dtypes = list(map(_dtype_of, mgs))
-            cache = self.meta_cache
-            if cache is not None and cache[0] == ptrs and cache[1] == dtypes:
-                shapes, devices = cache[2], cache[3]
+            fsdps = list(map(hasattr, found, _R_FSDP))
+            last = self.columns  # lists of ints, dtypes, bools and None only: `==` compares no tensor
+            if last[0] == ptrs and last[1] == dtypes:
+                ptrs, dtypes, shapes, devices = last[0], last[1], last[2], last[3]
             else:
                 shapes = list(map(_shape_of, mgs))
                 devices = list(map(_device_of, mgs))
-                self.meta_cache = (ptrs, dtypes, shapes, devices)
-            fsdps = list(map(hasattr, found, _R_FSDP))
+            if last[4] == ows:
+                ows = last[4]
+            if last[5] == gams:
+                gams = last[5]
+            if last[6] == fsdps:
+                fsdps = last[6]
+            self.columns = (ptrs, dtypes, shapes, devices, ows, gams, fsdps)
             rt.ring.push(
                 (n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, time_ns(), rt.step, mb, phase, self.index)
             )  # fmt: skip

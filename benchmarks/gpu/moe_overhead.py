@@ -18,11 +18,13 @@ sync checks of tests/gpu/mcore_hooks.py in fix mode.
 
 usage (GPU machine): NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 PYTHONPATH=/tmp/site:/tmp/mc19:/tmp/mg \
     python3 benchmarks/gpu/moe_overhead.py
-env: EXPERTS (64), HIDDEN (1024), FFN (1024), TOKENS (4096), MB (2), ROUNDS (12), STEPS (8 per round)
+env: EXPERTS (64), HIDDEN (1024), FFN (1024), TOKENS (4096), MB (2), ROUNDS (12), STEPS (8 per round),
+VARIANTS, IN_PLACE_STEPS (40), GC_FREEZE (1: gc.freeze() after the warm-up, for every variant alike)
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
@@ -80,16 +82,42 @@ def step(model, x, tgt) -> None:
     model.finish_grad_sync()
 
 
-def timed_step(model, x, tgt, handle=None) -> float:
+class GcClock:
+    """Time the garbage collector spends inside timed steps, per variant (gc.callbacks): full collections in a
+    large training process take milliseconds, land in whichever step allocates at the time, and are one source
+    of the steps' spread; objects the hooks keep alive (records) can make them come sooner."""
+
+    def __init__(self) -> None:
+        self.current: str | None = None
+        self.ns: dict[str, int] = {}
+        self.full: dict[str, int] = {}
+        self._t0 = 0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        elif self.current is not None:
+            self.ns[self.current] = self.ns.get(self.current, 0) + time.perf_counter_ns() - self._t0
+            if info.get("generation") == 2:
+                self.full[self.current] = self.full.get(self.current, 0) + 1
+
+
+GC = GcClock()
+
+
+def timed_step(model, x, tgt, handle=None, variant: str | None = None) -> float:
     """One step in CUDA-event milliseconds; with a handle, its step-boundary flush is inside the timed span
     (training pays for it at every step)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    GC.current = variant
     start.record()
     step(model, x, tgt)
     if handle is not None:
         handle.step()
     end.record()
     torch.cuda.synchronize()
+    GC.current = None
     return start.elapsed_time(end)
 
 
@@ -111,7 +139,7 @@ def compare(models, x, tgt) -> tuple[dict[str, list[float]], dict[str, list[floa
         for _ in range(STEPS):
             tick = {}
             for model, variant in zip(models, variant_of, strict=True):
-                tick[variant] = timed_step(model, x, tgt, handles.get(variant))
+                tick[variant] = timed_step(model, x, tgt, handles.get(variant), variant)
             for variant in VARIANTS:
                 samples[variant].append(tick[variant])
             for variant in paired:
@@ -161,39 +189,58 @@ def direct_cost(model, x, tgt, mode: str) -> tuple[float, int]:
 
 
 _HOOK_ENTRIES = ("container_pre_forward", "pre_forward", "post_forward", "on_backward")
+# Inner parts, timed on their own as well (nested in the entries): where an entry's time goes.
+_INNER = ("_inspect_vectorised", "_current_ptrs", "_inspect_each")
 
 
-def in_place_cost(model, x, tgt, variant: str, steps: int) -> tuple[float, float, float]:
-    """The hooks' CPU time inside real steps: every hook entry point (the registered pre-hooks, forward hook
-    and gradient hook) timed where it runs, cold caches included; the outermost call only (a container's
-    pre-hook calls the plain one on its first call). Returns (hook ms per step, flush ms per step, median
-    step ms of these steps)."""
-    from maingrad.hooks import instrument
+def _timed_entries(cls, names, spent: dict, outer: list | None) -> dict:
+    """Wrap `cls`'s methods `names` with timers adding ns to spent[name]; with `outer` (a one-item list used
+    as a flag), only the outermost of nested calls counts (a container's pre-hook calls the plain one on its
+    first call). Returns the originals."""
+    originals = {name: getattr(cls, name) for name in names}
 
-    spent = [0, False]  # ns inside hooks, "inside a timed hook"
-    originals = {name: getattr(instrument.Site, name) for name in _HOOK_ENTRIES}
-
-    def timed(original):
+    def timed(name, original):
         def wrapper(self, *args):
-            if spent[1]:
-                return original(self, *args)
-            spent[1] = True
+            if outer is not None:
+                if outer[0]:
+                    return original(self, *args)
+                outer[0] = True
             t0 = time.perf_counter_ns()
             try:
                 return original(self, *args)
             finally:
-                spent[0] += time.perf_counter_ns() - t0
-                spent[1] = False
+                spent[name] = spent.get(name, 0) + time.perf_counter_ns() - t0
+                if outer is not None:
+                    outer[0] = False
 
         return wrapper
 
     for name, original in originals.items():
-        setattr(instrument.Site, name, timed(original))
+        setattr(cls, name, timed(name, original))
+    return originals
+
+
+def in_place_cost(model, x, tgt, variant: str, steps: int) -> tuple[float, float, float, dict]:
+    """The hooks' CPU time inside real steps: every hook entry point (the registered pre-hooks, forward hook
+    and gradient hook) timed where it runs, cold caches included; the outermost call only. Returns (hook ms
+    per step, flush ms per step, median step ms of these steps, {entry or inner part: us per step}).
+
+    Variant "null": the same entry points with bodies that do nothing (pre-hooks on the container and its
+    fused object, a forward hook hanging a pre-hook on the output's autograd node): what any Python hook at
+    those points costs in place, the floor under the hooks' own figure.
+    """
+    from maingrad.hooks import instrument
+
+    spent: dict[str, int] = {}
+    outer = [False]
+    originals = _timed_entries(instrument.Site, _HOOK_ENTRIES, spent, outer)
+    inner = _timed_entries(instrument.Site, _INNER, spent, None)
     try:
-        handle = install_variant(model, variant)  # after patching: the registered bound methods are timed
+        # after patching: the registered bound methods are the timed ones
+        handle = NullHooks(model, spent) if variant == "null" else install_variant(model, variant)
         step(model, x, tgt)
         handle.step()
-        spent[0] = 0
+        spent.clear()
         flush_ns = 0
         times = []
         for _ in range(steps):
@@ -201,12 +248,71 @@ def in_place_cost(model, x, tgt, variant: str, steps: int) -> tuple[float, float
             t0 = time.perf_counter_ns()
             handle.step()
             flush_ns += time.perf_counter_ns() - t0
-        hook_ns = spent[0]
+        parts = {name: ns / steps / 1e3 for name, ns in spent.items()}
+        hook_ns = sum(ns for name, ns in spent.items() if name not in _INNER)
         handle.remove()
     finally:
-        for name, original in originals.items():
+        for name, original in {**originals, **inner}.items():
             setattr(instrument.Site, name, original)
-    return hook_ns / steps / 1e6, flush_ns / steps / 1e6, statistics.median(times)
+    return hook_ns / steps / 1e6, flush_ns / steps / 1e6, statistics.median(times), parts
+
+
+class NullHooks:
+    """No-op hooks where maingrad's container site puts its own, each timed like them (see in_place_cost)."""
+
+    def __init__(self, model, spent: dict) -> None:
+        from maingrad.hooks.discovery import discover, fused_object
+
+        self.spent = spent
+        self.handles = []
+        self.fused_object = fused_object
+        self.late: dict[int, object] = {}
+        for spec in discover(model, "auto"):
+            module = spec.module
+            self.handles.append(
+                module.register_forward_pre_hook(self._timed("null_container_pre", self._pre))
+            )
+            self.handles.append(module.register_forward_hook(self._timed("null_post_forward", self._post)))
+
+    def _timed(self, name, fn):
+        spent = self.spent
+
+        def wrapper(*args):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args)
+            finally:
+                spent[name] = spent.get(name, 0) + time.perf_counter_ns() - t0
+
+        return wrapper
+
+    def _pre(self, module, args):
+        target = self.fused_object(module)
+        if target is not None and id(target) not in self.late:
+            self.late[id(target)] = target.register_forward_pre_hook(
+                self._timed("null_pre_forward", _noop_pre)
+            )
+            self.handles.append(self.late[id(target)])
+
+    def _post(self, module, args, output):
+        tensor = output[0] if isinstance(output, tuple) else output
+        if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+            tensor.grad_fn.register_prehook(self._timed("null_on_backward", _noop_grad))
+
+    def step(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _noop_pre(module, args):
+    return None
+
+
+def _noop_grad(grad):
+    return None
 
 
 def main() -> None:
@@ -223,6 +329,9 @@ def main() -> None:
         for _ in range(3):
             step(model, x, tgt)
     torch.cuda.synchronize()
+    if os.environ.get("GC_FREEZE") == "1":  # what long-running trainers often do after setup
+        gc.collect()
+        gc.freeze()
     t0 = time.time()
     samples, paired, calls = compare(models, x, tgt)
     base = statistics.median(samples["none"])
@@ -250,6 +359,12 @@ def main() -> None:
         )
     spread = (max(samples["none"]) - min(samples["none"])) / base * 100
     print(f"no-hook spread (max-min)/median: {spread:.1f}%; hook calls per step: {calls}")
+    steps_each = len(samples["none"])
+    print(
+        f"garbage collector inside timed steps (GC_FREEZE={os.environ.get('GC_FREEZE', '0')}), ms per step / full "
+        "collections: "
+        + ", ".join(f"{v} {GC.ns.get(v, 0) / steps_each / 1e6:.3f} / {GC.full.get(v, 0)}" for v in VARIANTS)
+    )
     for mode in ("fix", "observe"):
         try:
             seconds, ncalls = direct_cost(models[0], x, tgt, mode)
@@ -260,14 +375,15 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - report and go on to the sync checks
             traceback.print_exc()
     in_place_steps = int(os.environ.get("IN_PLACE_STEPS", "40"))
-    for variant in VARIANTS[1:]:
+    for variant in (*VARIANTS[1:], "null"):
         try:
-            hook_ms, flush_ms, med = in_place_cost(models[0], x, tgt, variant, in_place_steps)
+            hook_ms, flush_ms, med, parts = in_place_cost(models[0], x, tgt, variant, in_place_steps)
             print(
                 f"in place, {variant}: hooks {hook_ms * 1e3:.1f} us per step = {hook_ms / base * 100:.3f}% of the "
                 f"median no-hook step (flush at handle.step(): {flush_ms * 1e3:.1f} us; these {in_place_steps} "
                 f"steps' median {med:.3f} ms)"
             )
+            print("   us per step:", ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items())))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     import mcore_hooks
