@@ -126,6 +126,6 @@ PY
     ;;
   overhead)
     NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 PYTHONPATH=$MG:/tmp/site:/tmp/mc19 timeout 400 python3 benchmarks/gpu/moe_overhead.py \
-      2>&1 | tee "$OUT/overhead${TAG:+-$TAG}.log" | grep -v -e Warning -e warnings.warn -e ProcessGroupNCCL | tail -16
+      2>&1 | tee "$OUT/overhead${TAG:+-$TAG}.log" | grep -v -e Warning -e warnings.warn -e ProcessGroupNCCL | tail -40
     ;;
 esac
