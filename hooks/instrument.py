@@ -98,11 +98,14 @@ def _is_distributed(param: Any) -> bool:
 
 def _fwd_ptr(fwd: Sequence[Any] | None, slot: int) -> int:
     """main_grad's data_ptr at the forward, from what the forward handed its backward: data_ptrs, or the
-    compact rows of `_fast_forward` (whose meta starts with the data_ptr); 0 when unknown."""
+    compact rows of `_fast_forward` (whose meta starts with the data_ptr); 0 when unknown or None."""
     if not fwd:
         return 0
     value = fwd[slot]
-    return value if value.__class__ is int else value[1][0]
+    if value.__class__ is int:
+        return value
+    meta = value[1]  # a row: its meta, or True where main_grad was None (see _NONE_ROW)
+    return meta[0] if meta.__class__ is tuple else 0
 
 
 def _overwrites_accumulation(param: Any, forward_ptr: int, previous_backward_ptr: int) -> bool:
@@ -509,6 +512,18 @@ class Site:
                             gam is not True and gam is not False and gam is not None
                         ):
                             break
+                        if (
+                            mg is None
+                        ):  # refreshed by the module's own backward (Megatron-FSDP, sharded grads)
+                            if self.strict or not (fsdp and callable(getattr(p, "get_main_grad", None))):
+                                break
+                            if rows is None:
+                                row = last[i]
+                                if row[1] is True and row[3] is ow and row[4] is gam and row[5] is fsdp:
+                                    continue
+                                rows = list(last[:i])
+                            rows.append((i, True, True, ow, gam, fsdp, A_NONE, None))
+                            continue
                         ptr = _data_ptr(mg)  # TypeError unless a tensor
                         dtype = mg.dtype
                         meta = metas[i]
@@ -800,6 +815,16 @@ class Site:
                 gam is not True and gam is not False and gam is not None
             ):
                 return _SLOW
+            if mg is None:  # refreshed by the module's own backward (Megatron-FSDP, sharded grads)
+                if self.strict or not (fsdp and callable(getattr(p, "get_main_grad", None))):
+                    return _SLOW
+                if rows is None:
+                    row = last[i]
+                    if row[1] is True and row[3] is ow and row[4] is gam and row[5] is fsdp:
+                        continue
+                    rows = list(last[:i])
+                rows.append((i, True, True, ow, gam, fsdp, A_NONE, None))
+                continue
             ptr = _data_ptr(mg)  # TypeError unless a tensor
             dtype = mg.dtype
             meta = metas[i]
@@ -844,6 +869,13 @@ class Site:
                 gam is not True and gam is not False and gam is not None
             ):
                 return _SLOW
+            if mg is None:  # refreshed by the module's own backward (see _fast_rows)
+                if self.strict or not (
+                    hasattr(p, "__fsdp_param__") and callable(getattr(p, "get_main_grad", None))
+                ):
+                    return _SLOW
+                keep(0)
+                continue
             ptr = _data_ptr(mg)
             if ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
                 return _SLOW
@@ -885,6 +917,18 @@ class Site:
                 gam is not True and gam is not False and gam is not None
             ):
                 return _SLOW
+            if mg is None:  # refreshed inside the module's backward, which runs next: nothing to flag
+                if not (fsdp and callable(getattr(p, "get_main_grad", None))):
+                    return _SLOW
+                keep(0)
+                if record:
+                    if rows is None:
+                        row = last_rows[i]
+                        if row[1] is True and row[3] is ow and row[4] is gam and row[5] is fsdp:
+                            continue
+                        rows = list(last_rows[:i])
+                    rows.append((i, True, True, ow, gam, fsdp, A_NONE, None))
+                continue
             ptr = _data_ptr(mg)
             if record:
                 dtype = mg.dtype

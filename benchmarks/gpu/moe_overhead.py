@@ -205,12 +205,16 @@ def _timed_entries(cls, names, spent: dict, outer: list | None) -> dict:
                 if outer[0]:
                     return original(self, *args)
                 outer[0] = True
+            c0 = time.thread_time_ns()
             t0 = time.perf_counter_ns()
             try:
                 return original(self, *args)
             finally:
                 spent[name] = spent.get(name, 0) + time.perf_counter_ns() - t0
-                if outer is not None:
+                if (
+                    outer is not None
+                ):  # an entry: its thread CPU time too (wall - cpu: the thread did not run)
+                    spent[f"{name} cpu"] = spent.get(f"{name} cpu", 0) + time.thread_time_ns() - c0
                     outer[0] = False
 
         return wrapper
@@ -249,7 +253,7 @@ def in_place_cost(model, x, tgt, variant: str, steps: int) -> tuple[float, float
             handle.step()
             flush_ns += time.perf_counter_ns() - t0
         parts = {name: ns / steps / 1e3 for name, ns in spent.items()}
-        hook_ns = sum(ns for name, ns in spent.items() if name not in _INNER)
+        hook_ns = sum(ns for name, ns in spent.items() if name not in _INNER and not name.endswith(" cpu"))
         handle.remove()
     finally:
         for name, original in {**originals, **inner}.items():
@@ -278,11 +282,13 @@ class NullHooks:
         spent = self.spent
 
         def wrapper(*args):
+            c0 = time.thread_time_ns()
             t0 = time.perf_counter_ns()
             try:
                 return fn(*args)
             finally:
                 spent[name] = spent.get(name, 0) + time.perf_counter_ns() - t0
+                spent[f"{name} cpu"] = spent.get(f"{name} cpu", 0) + time.thread_time_ns() - c0
 
         return wrapper
 

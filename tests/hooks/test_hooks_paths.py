@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from emulators import SHARDED_GRADS, STRATEGIES, MegatronFSDP, batches, fsdp_run, make_layer
+from emulators import STRATEGIES, MegatronFSDP, batches, fsdp_run, make_layer
 from maingrad.hooks import MainGradContractError, install, instrument
 
 _VOLATILE = ("t_ns", "run")
@@ -147,9 +147,8 @@ def test_per_parameter_fast_paths_agree_with_the_general_path(
     fast = _run(mode, strategy, semantics, version, every, policy, fused)
     monkeypatch.undo()
     # TE modules under sharded gradients hold main_grad None at forward and at the gradient hook (TE refreshes
-    # it inside its own backward): never a steady state there
-    steady = fused or strategy not in SHARDED_GRADS
-    assert taken["fast"] > 0 or not steady, "no per-parameter fast path was taken"
+    # it inside its own backward): the fast paths take that too
+    assert taken["fast"] > 0, "no per-parameter fast path was taken"
     _general_only(monkeypatch)
     general = _run(mode, strategy, semantics, version, every, policy, fused)
     assert fast[0] == general[0]
@@ -357,6 +356,7 @@ def _changing_run(general: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[
         param.__fsdp_param__ = True
         param.overwrite_main_grad = False
         param.grad_added_to_main_grad = False
+        param.get_main_grad = lambda param=param: torch.zeros_like(param)
     handle = install(module, "observe", run="reuse")
     params = list(module.parameters())
     changes = [
@@ -366,6 +366,8 @@ def _changing_run(general: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[
         lambda: setattr(params[2], "main_grad", torch.zeros(4, 4)),  # last slot: another buffer
         lambda: setattr(params[0], "overwrite_main_grad", False),
         lambda: setattr(params[1], "main_grad", torch.zeros(16)),  # a flat view of the right size
+        lambda: setattr(params[2], "main_grad", None),  # Megatron-FSDP between refreshes: recorded as None
+        lambda: setattr(params[2], "main_grad", torch.zeros(4, 4)),
     ]
     for change in changes:
         change()
@@ -380,18 +382,21 @@ def _changing_run(general: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[
 def test_unchanged_small_site_calls_push_the_last_rows_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """A small site's steady-state call whose rows equal the last call's (same buffer metadata and flags, per
     phase) pushes the same rows tuple instead of new rows; any change in any slot builds new ones. Records stay
-    exactly the general path's."""
+    exactly the general path's, a main_grad that is None (refreshable) included."""
     records, entries = _changing_run(False, monkeypatch)
     general, _ = _changing_run(True, monkeypatch)
-    assert records == general and len(records) == 12 * 2 * 3
+    assert records == general and len(records) == 16 * 2 * 3
+    assert all(type(e[1]) is tuple for e in entries), "a call took the general path (its rows are a list)"
+    nones = [r for r in records if r["main_grad_is_none"]]
+    assert len(nones) == 4 and {(r["param"], r["anomaly"]) for r in nones} == {("weight2", None)}
     overwrites = [r for r in records if r["anomaly"] == "overwrite_discards_microbatch"]
     assert overwrites and all(r["phase"] == "backward" and r["param"] == "weight0" for r in overwrites)
     forwards = [e for e in entries if len(e) == 7 and e[5] == instrument.FORWARD]
     backwards = [e for e in entries if len(e) == 7 and e[5] == instrument.BACKWARD]
-    assert len(forwards) == len(backwards) == 12
+    assert len(forwards) == len(backwards) == 16
     # forward: the second call of each pair reuses the first's rows; a change never does
     reused = [b[1] is a[1] for a, b in zip(forwards, forwards[1:], strict=False)]
-    assert reused[0::2] == [True] * 6
+    assert reused[0::2] == [True] * 8
     assert not any(reused[1::2])  # every change shows in the forward's rows
     # backward rows holding an overwrite anomaly are never pushed again as the steady rows
     for entry in backwards:
