@@ -1,10 +1,12 @@
 """The hooks themselves: one `Site` per instrumented module, sharing one `Runtime` per handle.
 
 Hot path: a call in the steady state (every main_grad a tensor already validated, flags bool or absent:
-nothing to expose, force or flag beyond an overwrite) takes a fast path, vectorised for large sites
-(`_inspect_vectorised`) and a lean per-parameter loop for small ones (`_fast_forward` / `_fast_backward`).
-Either pushes one compact entry per call to the ring (records.py); sequence numbers and the expansion into
-rows wait for the flush. Anything else, or any surprise, goes to the general per-parameter path
+nothing to expose, force or flag beyond an overwrite; on small sites also a main_grad that is None where the
+module refreshes it itself, as TE modules under Megatron-FSDP's sharded gradients do) takes a fast path,
+vectorised for large sites (`_inspect_vectorised`) and a lean per-parameter loop for small ones
+(`_fast_forward` / `_fast_backward`). Either pushes one compact entry per call to the ring (records.py), reusing
+the last call's rows or columns where they are equal, so a steady call keeps one new object alive; sequence
+numbers and the expansion into rows wait for the flush. Anything else, or any surprise, goes to the general per-parameter path
 (`_inspect_each`), which exposes, forces, flags and raises; the fast paths change nothing but caches before
 they hand over, so both give the same records (tests/hooks/test_hooks_paths.py).
 
@@ -512,9 +514,7 @@ class Site:
                             gam is not True and gam is not False and gam is not None
                         ):
                             break
-                        if (
-                            mg is None
-                        ):  # refreshed by the module's own backward (Megatron-FSDP, sharded grads)
+                        if mg is None:  # refreshed by the module's own backward (see _fast_rows)
                             if self.strict or not (fsdp and callable(getattr(p, "get_main_grad", None))):
                                 break
                             if rows is None:
@@ -1055,18 +1055,18 @@ class Site:
             n = len(ptrs)
             dtypes = list(map(_dtype_of, mgs))
             fsdps = list(map(hasattr, found, _R_FSDP))
-            last = self.columns  # lists of ints, dtypes, bools and None only: `==` compares no tensor
-            if last[0] == ptrs and last[1] == dtypes:
-                ptrs, dtypes, shapes, devices = last[0], last[1], last[2], last[3]
+            prev = self.columns  # lists of ints, dtypes, bools and None only: `==` compares no tensor
+            if prev[0] == ptrs and prev[1] == dtypes:
+                ptrs, dtypes, shapes, devices = prev[0], prev[1], prev[2], prev[3]
             else:
                 shapes = list(map(_shape_of, mgs))
                 devices = list(map(_device_of, mgs))
-            if last[4] == ows:
-                ows = last[4]
-            if last[5] == gams:
-                gams = last[5]
-            if last[6] == fsdps:
-                fsdps = last[6]
+            if prev[4] == ows:
+                ows = prev[4]
+            if prev[5] == gams:
+                gams = prev[5]
+            if prev[6] == fsdps:
+                fsdps = prev[6]
             self.columns = (ptrs, dtypes, shapes, devices, ows, gams, fsdps)
             rt.ring.push(
                 (n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, time_ns(), rt.step, mb, phase, self.index)

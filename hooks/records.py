@@ -94,7 +94,9 @@ R_HAS, R_ISNONE, R_DTYPE, R_SHAPE, R_DEVICE, R_PTR, R_OW, R_GAM, R_FSDP, R_ACTIO
 #       7: (slot, meta, ow, gam, fsdp, action, anomaly)      main_grad a tensor
 #       8: (slot, has, is_none, ow, gam, fsdp, action, anomaly)  main_grad not a tensor (or no parameter)
 #      17: a whole row without its sequence number (hook_error rows, which carry their own time)
-#     meta = (data_ptr, dtype, shape, device) of the buffer, shared by every row of the same buffer.
+#     meta = (data_ptr, dtype, shape, device) of the buffer, shared by every row of the same buffer. `rows` (a
+#     tuple from the fast paths) and the column lists below may be the very objects of an earlier entry: the
+#     hooks push what they last pushed again when nothing changed, so nothing may modify them.
 #  14: (n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, t, step, mb, phase, site)  slots
 #      0..n-1 as columns (lists); anomalies is None when there is none; action "none".
 #   2: (n, rows)  rows of 17 only (a hook_error outside any recorded call).
