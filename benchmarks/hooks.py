@@ -10,7 +10,9 @@ Everything is measured in this one run against baselines measured alongside it (
    None`), one doing the same attribute reads as a record (main_grad, overwrite_main_grad,
    grad_added_to_main_grad, __fsdp_param__, dtype, shape, device, data_ptr) into a ring buffer.
    Targets (issue 3): fix+record <= 1.5x the hand-written record hook; fix alone < 5 us at 128 parameters.
-2. Converting records to dicts at step boundaries (off the hot path), ns per record.
+2. TE modules under Megatron-FSDP's sharded gradients (main_grad None at every call, refreshed by TE): ns per
+   forward and backward call of 1 and 2 parameters, on the fast paths and on the general path they replace.
+   Then converting records to dicts at step boundaries (off the hot path), ns per record.
 3. A realistic 64-expert grouped MLP (tests/hooks/emulators.py: TE op-fuser path under the Megatron-FSDP
    stand-in, optim_grads, hidden 256, ffn 512, 4096 tokens) forward+backward per step: hooks' share from the
    per-call costs of the hooks actually run (pre-hook, forward hook, backward hook) over the step time, and
@@ -134,6 +136,62 @@ def per_call(repeat: int) -> list[dict]:
     return rows
 
 
+class ShardedTEModule(torch.nn.Module):
+    """A TE module (`fuse_wgrad_accumulation`) under Megatron-FSDP's sharded gradients: main_grad is None at
+    every hook call (TE refreshes it from get_main_grad inside its own backward)."""
+
+    fuse_wgrad_accumulation = True
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        for i in range(n):
+            param = torch.nn.Parameter(torch.zeros(4, 4))
+            param.main_grad = None
+            param.get_main_grad = lambda: torch.zeros(4, 4)
+            param.__fsdp_param__ = True
+            param.overwrite_main_grad = True
+            param.grad_added_to_main_grad = False
+            self.register_parameter(f"weight{i}", param)
+
+
+def sharded_te_modules(repeat: int) -> list[dict]:
+    """ns per forward (registered pre-hook) and backward (the gradient hook's body) call of a recorded fix-mode
+    site over ShardedTEModule, on the fast paths and, for comparison, with them turned off (the general path)."""
+    from maingrad.hooks import install, instrument
+
+    rows = []
+    for n in (1, 2):
+        row: dict = {"params": n}
+        for label in ("fast", "general"):
+            saved = {name: getattr(instrument.Site, name) for name in ("_fast_rows", "_fast_backward")}
+            if label == "general":
+                for name in saved:
+                    setattr(instrument.Site, name, lambda self, *args: instrument._SLOW)
+            try:
+                module = ShardedTEModule(n)
+                handle = install(module, "fix")
+                (hook,) = module._forward_pre_hooks.values()
+                (site,) = handle._sites
+                hook(module, None)
+                site.lean = site.lean and label == "fast"  # the lean branch inlines _fast_rows
+                pending = (1, True, None)
+                fwd = (
+                    min(timeit.repeat(lambda h=hook, m=module: h(m, None), number=5000, repeat=repeat)) / 5000
+                )
+                call = site.on_backward
+                bwd = (
+                    min(timeit.repeat(lambda c=call, p=pending: c(p, None), number=5000, repeat=repeat))
+                    / 5000
+                )
+                row[f"{label}_forward"], row[f"{label}_backward"] = fwd * 1e9, bwd * 1e9
+                handle.remove()
+            finally:
+                for name, original in saved.items():
+                    setattr(instrument.Site, name, original)
+        rows.append(row)
+    return rows
+
+
 def record_conversion(repeat: int) -> float:
     from maingrad.hooks import install
 
@@ -249,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"target fix alone < 5 us at 128 parameters: {big['fix_alone'] / 1000:.2f} us, {'met' if ok_fix else 'MISSED'}"
     )
+    sharded = sharded_te_modules(args.repeat)
+    print("TE modules under sharded gradients (main_grad None at every call), fix + records, ns per call:")
+    for row in sharded:
+        print(
+            f"  {row['params']} params: forward {row['fast_forward']:.0f} (general path {row['general_forward']:.0f}),"
+            f" backward {row['fast_backward']:.0f} (general path {row['general_backward']:.0f})"
+        )
     conversion = record_conversion(args.repeat)
     print(f"record -> dict at step boundaries (off the hot path): {conversion:.0f} ns per record")
     share = mlp_share(max(2, args.repeat // 4), args.steps)
@@ -263,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"per_call": rows, "record_to_dict_ns": conversion, "mlp": share}, indent=2)
+            json.dumps(
+                {"per_call": rows, "sharded_te": sharded, "record_to_dict_ns": conversion, "mlp": share},
+                indent=2,
+            )
         )
     return 0
 
