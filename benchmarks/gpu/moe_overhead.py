@@ -211,9 +211,7 @@ def _timed_entries(cls, names, spent: dict, outer: list | None) -> dict:
                 return original(self, *args)
             finally:
                 spent[name] = spent.get(name, 0) + time.perf_counter_ns() - t0
-                if (
-                    outer is not None
-                ):  # an entry: its thread CPU time too (wall - cpu: the thread did not run)
+                if outer is not None:  # an entry: its thread CPU time too (cpu < wall: the thread waited)
                     spent[f"{name} cpu"] = spent.get(f"{name} cpu", 0) + time.thread_time_ns() - c0
                     outer[0] = False
 
