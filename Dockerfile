@@ -12,6 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /build
 COPY pyproject.toml README.md ./
+COPY contracts ./contracts
 COPY analyzer ./analyzer
 COPY cli ./cli
 COPY hooks ./hooks

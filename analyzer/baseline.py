@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maingrad.analyzer.fileio import atomic_write
-from maingrad.analyzer.report import Finding, normalize_context
+from maingrad.contracts.report import Finding, normalize_context
 
 BASELINE_VERSION = 1
 

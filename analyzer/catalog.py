@@ -18,7 +18,7 @@ from typing import Any
 from maingrad.analyzer import __version__
 from maingrad.analyzer.fileio import atomic_write
 from maingrad.analyzer.needles import Needle
-from maingrad.analyzer.report import RuleInfo, Severity
+from maingrad.contracts.report import RuleInfo, Severity
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

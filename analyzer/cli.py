@@ -23,7 +23,7 @@ from maingrad.analyzer.config import (
     parse_codes,
     validate_codes,
 )
-from maingrad.analyzer.report import Severity
+from maingrad.contracts.report import Severity
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 

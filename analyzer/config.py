@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from maingrad.analyzer.report import Severity
+from maingrad.contracts.report import Severity
 
 if sys.version_info >= (3, 11):
     import tomllib

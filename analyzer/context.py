@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import libcst as cst
+
 from maingrad.analyzer import walk
 from maingrad.analyzer.names import NameResolver, package_of
 

@@ -14,12 +14,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
+
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.positions import LazyPositions
-from maingrad.analyzer.report import Finding, ParseError, Severity, fingerprint
 from maingrad.analyzer.rules.base import Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import build_index, gate_enabled
+from maingrad.contracts.report import Finding, ParseError, Severity, fingerprint
 
 SNIPPET_MAX_LINES = 20
 

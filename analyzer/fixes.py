@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import libcst as cst
+
 from maingrad.analyzer.rules.base import Fix
 
 

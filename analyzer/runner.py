@@ -22,9 +22,9 @@ from maingrad.analyzer.discovery import SourceFile
 from maingrad.analyzer.fileio import decode_source
 from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.progress import Progress
-from maingrad.analyzer.report import Finding, ParseError, Report, Severity
 from maingrad.analyzer.suppressions import MARKER, apply_suppressions, parse_suppressions, unused_findings
 from maingrad.analyzer.syntax_index import gate_enabled
+from maingrad.contracts.report import Finding, ParseError, Report, Severity
 
 # Below this many characters of source to parse, a process pool costs more than it saves.
 POOL_MIN_CHARS = 150_000

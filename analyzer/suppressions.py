@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from maingrad.analyzer.catalog import UNUSED_SUPPRESSION, UNUSED_SUPPRESSION_ID
-from maingrad.analyzer.report import Finding, Severity, fingerprint
+from maingrad.contracts.report import Finding, Severity, fingerprint
 
 MARKER = "maingrad"
 _DIRECTIVE = re.compile(r"#\s*maingrad\s*:\s*(ignore-file|ignore)\b(?:\[([^\]]*)\])?", re.IGNORECASE)

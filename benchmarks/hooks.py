@@ -209,6 +209,7 @@ def record_conversion(repeat: int) -> float:
 
 def mlp_share(repeat: int, steps: int) -> dict:
     import emulators as emu
+
     from maingrad.hooks import install
 
     experts, hidden, ffn, per_expert = 64, 256, 512, 64

@@ -25,10 +25,10 @@ _EXPORTS: dict[str, str] = {
     "JsonlSink": "sinks",
     "HttpSink": "sinks",
     "Sink": "sinks",
-    "ANOMALIES": "records",
-    "FIELDS": "records",
-    "SCHEMA_VERSION": "records",
-    "validate_record": "records",
+    "ANOMALIES": "maingrad.contracts.anomalies",
+    "FIELDS": "maingrad.contracts.records",
+    "SCHEMA_VERSION": "maingrad.contracts.records",
+    "validate_record": "maingrad.contracts.records",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -38,7 +38,7 @@ def __getattr__(name: str) -> Any:
     module_name = _EXPORTS.get(name)
     if module_name is None:
         raise AttributeError(f"module 'maingrad.hooks' has no attribute {name!r}")
-    module = importlib.import_module(f"{__name__}.{module_name}")
+    module = importlib.import_module(module_name if "." in module_name else f"{__name__}.{module_name}")
     value = getattr(module, "validate" if name == "validate_record" else name)
     globals()[name] = value
     return value

@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
-from .discovery import TargetSpec, discover
-from .errors import MainGradHooksWarning
-from .expose import check_policy
-from .instrument import Runtime, Site
-from .records import RecordRing, RunMeta, to_dicts
-from .settings import resolve_commit, resolve_mode, resolve_rank, resolve_run
-from .sinks import Sink, make_sink
-from .summary import ModuleSummary, Summary
+from maingrad.hooks.discovery import TargetSpec, discover
+from maingrad.hooks.errors import MainGradHooksWarning
+from maingrad.hooks.expose import check_policy
+from maingrad.hooks.instrument import Runtime, Site
+from maingrad.hooks.records import RecordRing, RunMeta, to_dicts
+from maingrad.hooks.settings import resolve_commit, resolve_mode, resolve_rank, resolve_run
+from maingrad.hooks.sinks import Sink, make_sink
+from maingrad.hooks.summary import ModuleSummary, Summary
 
 # module -> number of live handles instrumenting it (weak: never keeps a model alive)
 _ACTIVE: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()

@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _read(paths: list[str]) -> list[dict]:
-    from .records import iter_jsonl
+    from maingrad.contracts.records import iter_jsonl
 
     records: list[dict] = []
     for path in paths:
@@ -36,7 +36,7 @@ def _read(paths: list[str]) -> list[dict]:
 
 
 def _summary(args: argparse.Namespace) -> int:
-    from .summary import summarize_records
+    from maingrad.hooks.summary import summarize_records
 
     result = summarize_records(_read(args.files))
     if args.json:
@@ -47,7 +47,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .records import validate
+    from maingrad.contracts.records import validate
 
     bad = 0
     records = _read(args.files)

@@ -33,15 +33,15 @@ from typing import Any
 
 import torch
 
-from .discovery import CONTAINER, TargetSpec, fused_object
-from .errors import MainGradContractError, MainGradHooksWarning
-from .records import (
+from maingrad.contracts.anomalies import FATAL_ANOMALIES, remedy
+from maingrad.hooks.discovery import CONTAINER, TargetSpec, fused_object
+from maingrad.hooks.errors import MainGradContractError, MainGradHooksWarning
+from maingrad.hooks.records import (
     A_ERROR,
     A_EXPOSED,
     A_NONE,
     A_RAISED,
     BACKWARD,
-    FATAL_ANOMALIES,
     FORWARD,
     PHASES,
     RecordRing,
@@ -169,21 +169,7 @@ def _grad_tensor(output: Any) -> torch.Tensor | None:
 
 
 def _remedy(problem: str, param: Any) -> str:
-    if problem in (MISSING, NONE, GET_FAILED):
-        if callable(getattr(param, "get_main_grad", None)):
-            return (
-                "expose main_grad before the fused forward: call maingrad.hooks.install(model) (mode 'fix') "
-                "after wrapping the model with Megatron-FSDP, or maingrad.hooks.expose_main_grad(module) in a "
-                "pre-forward hook; megatron-core >= 0.19 does this itself for TEGroupedMLP"
-            )
-        return (
-            "the parameter has no main_grad and no get_main_grad(): wrap the model with Megatron "
-            "DistributedDataParallel or Megatron-FSDP before the first forward, or build this module without "
-            "fused wgrad accumulation (gradient_accumulation_fusion / accumulate_into_main_grad = False)"
-        )
-    if problem == NOT_TENSOR:
-        return "assign a tensor to main_grad (or leave it to get_main_grad()); never a placeholder value"
-    return "main_grad must be this parameter's gradient-buffer view with the same number of elements"
+    return remedy(problem, has_get_main_grad=callable(getattr(param, "get_main_grad", None)))
 
 
 class Runtime:

@@ -1,4 +1,5 @@
-"""Runtime record schema (DESIGN.md §4), the bounded ring buffer hooks write into, and conversion to JSON.
+"""The bounded ring buffer hooks write runtime records into, and their conversion to the schema's dicts
+(the schema itself: `maingrad.contracts.records`).
 
 Hooks push one compact entry per call (cheap: no dict, no string formatting, no per-row numbering on the hot
 path); the ring expands entries into rows and `to_dict` turns those into the schema's dicts at step
@@ -9,79 +10,16 @@ returned and formatted with `str()`/`list()` later.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from typing import Any
 
-SCHEMA_VERSION = 1
-
-FIELDS: tuple[str, ...] = (
-    "schema",
-    "id",
-    "run",
-    "rank",
-    "step",
-    "microbatch",
-    "phase",
-    "module",
-    "param",
-    "has_main_grad",
-    "main_grad_is_none",
-    "dtype",
-    "shape",
-    "device",
-    "data_ptr",
-    "overwrite_main_grad",
-    "grad_added_to_main_grad",
-    "is_fsdp_param",
-    "action",
-    "anomaly",
-    "mode",
-    "commit",
-    "t_ns",
-)
-
-PHASES: tuple[str, ...] = ("forward", "backward")
-ACTIONS: tuple[str, ...] = ("none", "exposed", "raised", "error")
-MODES: tuple[str, ...] = ("fix", "check", "observe")
+from maingrad.contracts.records import ACTIONS, PHASES, SCHEMA_VERSION, WHOLE_CALL
 
 # Phase / action codes stored in rows (indexes into PHASES / ACTIONS).
 FORWARD, BACKWARD = 0, 1
 A_NONE, A_EXPOSED, A_RAISED, A_ERROR = 0, 1, 2, 3
-
-# `param` of a record that is about the whole call (an internal error before any parameter was read).
-WHOLE_CALL = "*"
-
-# anomaly -> meaning. Set on a record when, after our action, the fused path would fail or be wrong.
-ANOMALIES: dict[str, str] = {
-    "main_grad_missing": "no main_grad attribute where the fused path needs one (TE: 'MAIN GRAD NOT FOUND')",
-    "main_grad_none": "main_grad is None where the fused path needs a buffer (TE: 'MAIN GRAD IS NONE')",
-    "main_grad_not_tensor": "main_grad is set to something that is not a tensor",
-    "get_main_grad_failed": "fix mode called get_main_grad() and it raised or returned a non-tensor",
-    "main_grad_shape_mismatch": "main_grad's element count differs from the parameter's (the GEMM output "
-    "view fails or writes out of place)",
-    "param_missing": "the instrumented parameter slot is gone or None (parameter removed or replaced by None)",
-    "flag_not_bool": "overwrite_main_grad or grad_added_to_main_grad holds a non-bool (a tensor flag would "
-    "be truth-tested by TE and sync the device, or be ambiguous)",
-    "overwrite_discards_microbatch": "backward only: overwrite_main_grad is True in micro-batch >= 1 while "
-    "main_grad is the persistent accumulation buffer, so the fused wgrad overwrites what earlier micro-batches "
-    "accumulated. Known exactly under Megatron-FSDP (the parameter's gradient buffer `_gbuf` is not sharded: "
-    "no_shard/optim, or any strategy at data-parallel size 1); elsewhere a heuristic: this micro-batch's "
-    "forward found main_grad still holding the buffer the previous backward wrote",
-    "hook_error": "maingrad's own hook code raised; the record says what it could, training went on",
-}
-
-# Anomalies that make TE (or the GEMM) fail: `check` mode raises MainGradContractError for these.
-FATAL_ANOMALIES: frozenset[str] = frozenset(
-    {
-        "main_grad_missing",
-        "main_grad_none",
-        "main_grad_not_tensor",
-        "get_main_grad_failed",
-        "main_grad_shape_mismatch",
-    }
-)
 
 # Row layout (tuple positions) of the rows the ring hands out (`take_new`, `snapshot`); `to_dict` reads them.
 R_SEQ, R_T, R_STEP, R_MB, R_PHASE, R_SITE, R_SLOT = 0, 1, 2, 3, 4, 5, 6
@@ -345,85 +283,3 @@ def to_dicts(
             }
         )
     return out
-
-
-_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
-    # field -> (allowed types, nullable)
-    "schema": ((int,), False),
-    "id": ((str,), False),
-    "run": ((str,), False),
-    "rank": ((int,), False),
-    "step": ((int,), False),
-    "microbatch": ((int,), False),
-    "phase": ((str,), False),
-    "module": ((str,), False),
-    "param": ((str,), False),
-    "has_main_grad": ((bool,), False),
-    "main_grad_is_none": ((bool,), True),
-    "dtype": ((str,), True),
-    "shape": ((list,), True),
-    "device": ((str,), True),
-    "data_ptr": ((int,), True),
-    "overwrite_main_grad": ((bool,), True),
-    "grad_added_to_main_grad": ((bool,), True),
-    "is_fsdp_param": ((bool,), False),
-    "action": ((str,), False),
-    "anomaly": ((str,), True),
-    "mode": ((str,), False),
-    "commit": ((str,), True),
-    "t_ns": ((int,), False),
-}
-
-
-def validate(record: Any) -> list[str]:
-    """Problems of one record against the schema (empty when valid). Used by tests, the CLI and sinks' users."""
-    if not isinstance(record, dict):
-        return ["record is not an object"]
-    problems = []
-    keys = list(record)
-    if set(keys) != set(FIELDS):
-        missing = [f for f in FIELDS if f not in record]
-        extra = [k for k in keys if k not in _TYPES]
-        problems.append(f"fields differ: missing={missing} extra={extra}")
-    for name, (types, nullable) in _TYPES.items():
-        if name not in record:
-            continue
-        value = record[name]
-        if value is None:
-            if not nullable:
-                problems.append(f"{name} is null")
-            continue
-        # bool is an int subclass: ints must not be bools and bools must be bools.
-        if isinstance(value, bool) and bool not in types:
-            problems.append(f"{name} is a bool")
-        elif not isinstance(value, types):
-            problems.append(f"{name} has type {type(value).__name__}")
-    if record.get("schema") != SCHEMA_VERSION:
-        problems.append(f"schema is {record.get('schema')!r}, expected {SCHEMA_VERSION}")
-    for name, allowed in (("phase", PHASES), ("action", ACTIONS), ("mode", MODES)):
-        if name in record and record[name] not in allowed:
-            problems.append(f"{name}={record[name]!r} not in {allowed}")
-    anomaly = record.get("anomaly")
-    if anomaly is not None and anomaly not in ANOMALIES:
-        problems.append(f"unknown anomaly {anomaly!r}")
-    shape = record.get("shape")
-    if isinstance(shape, list) and not all(type(d) is int for d in shape):
-        problems.append("shape has non-int entries")
-    expected_id = f"{record.get('run')}:{record.get('rank')}:"
-    if isinstance(record.get("id"), str) and not record["id"].startswith(expected_id):
-        problems.append("id is not '<run>:<rank>:<seq>'")
-    return problems
-
-
-def iter_jsonl(lines: Iterable[str]) -> Iterator[dict]:
-    """Records from NDJSON lines (blank lines skipped); raises ValueError naming the bad line."""
-    import json
-
-    for number, line in enumerate(lines, 1):
-        text = line.strip()
-        if not text:
-            continue
-        try:
-            yield json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"line {number}: not JSON ({exc.msg})") from exc

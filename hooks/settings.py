@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Mapping
 
-from .errors import MainGradHooksWarning
+from maingrad.hooks.errors import MainGradHooksWarning
 
 HOOK_MODES: tuple[str, ...] = ("off", "observe", "check", "fix")
 ENV_MODE = "MAINGRAD_HOOKS"

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .records import RunMeta
+from maingrad.hooks.records import RunMeta
 
 
 @runtime_checkable

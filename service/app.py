@@ -15,6 +15,8 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
+from sqlalchemy import select
+
 from maingrad.service import auth, migrate, problems
 from maingrad.service.api.routes import alerts, gate, health, projects, reports, runs
 from maingrad.service.bodies import BodyLimitMiddleware, body_limits
@@ -24,7 +26,6 @@ from maingrad.service.gate_cache import GateCache
 from maingrad.service.metrics import MetricsMiddleware, new_registry
 from maingrad.service.models import Token
 from maingrad.service.schemas import Problem
-from sqlalchemy import select
 
 log = logging.getLogger("maingrad.service")
 API_PREFIX = "/api/v1"

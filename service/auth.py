@@ -14,13 +14,14 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import bindparam, select, update
+from sqlalchemy.orm import Session
+
 from maingrad.service import tokens
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.models import Project, Token, utcnow
 from maingrad.service.problems import ProblemError
-from sqlalchemy import bindparam, select, update
-from sqlalchemy.orm import Session
 
 log = logging.getLogger("maingrad.service")
 _TOUCH_EVERY = dt.timedelta(seconds=60)

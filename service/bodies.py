@@ -10,10 +10,11 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from maingrad.service.config import Settings
-from maingrad.service.problems import ProblemError, problem_response
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
+
+from maingrad.service.config import Settings
+from maingrad.service.problems import ProblemError, problem_response
 
 SMALL_BODY = 64 * 1024  # every JSON endpoint (projects, tokens, triage) and the login form
 

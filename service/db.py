@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from maingrad.service.config import Settings
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+
+from maingrad.service.config import Settings
 
 log = logging.getLogger("maingrad.service")
 

@@ -66,7 +66,8 @@ def note_commit(session: Session, project_id: int, sha: str, branch: str | None)
 
 def bump_revision(session: Session, project_id: int) -> None:
     """Mark the project changed for the gate's answer cache (same transaction as the change)."""
-    from maingrad.service.models import Project
     from sqlalchemy import update
+
+    from maingrad.service.models import Project
 
     session.execute(update(Project).where(Project.id == project_id).values(revision=Project.revision + 1))

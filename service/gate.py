@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import bindparam, func, or_, select
+from sqlalchemy.orm import Session, aliased
+
 from maingrad.service.config import Settings
 from maingrad.service.matching import Item, Matching, match
 from maingrad.service.models import Alert, Analysis, Finding, Project, Record, Run
 from maingrad.service.parsing import LEVEL_RANK
 from maingrad.service.reports import analysis_dict
-from sqlalchemy import bindparam, func, or_, select
-from sqlalchemy.orm import Session, aliased
 
 SAMPLE_ANOMALIES = 20
 

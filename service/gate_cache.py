@@ -13,9 +13,10 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from maingrad.service.models import Project, Run
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
+
+from maingrad.service.models import Project, Run
 
 _RUNS_VERSION = select(func.count(), func.coalesce(func.sum(Run.record_count), 0)).where(
     Run.project_id == bindparam("p"), Run.commit_sha == bindparam("c")

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from sqlalchemy import select
+
 from maingrad.service import auth
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
@@ -18,7 +20,6 @@ from maingrad.service.gate import compute_gate
 from maingrad.service.migrate import upgrade
 from maingrad.service.models import Project, Token, utcnow
 from maingrad.service.reports import store_report
-from sqlalchemy import select
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from maingrad.analyzer.report import normalize_context
+from maingrad.contracts.report import normalize_context
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ import base64
 import json
 from typing import Any
 
-from maingrad.service.problems import ProblemError
 from sqlalchemy import Select
 from sqlalchemy.orm import InstrumentedAttribute, Session
+
+from maingrad.service.problems import ProblemError
 
 
 def keyset_page(

@@ -1,4 +1,4 @@
-"""Uploaded reports -> one normalized form: maingrad JSON (analyzer/report.py) or SARIF 2.1.0 from any tool.
+"""Uploaded reports -> one normalized form: maingrad JSON (contracts/report.py) or SARIF 2.1.0 from any tool.
 
 The format is detected by content, never by headers. SARIF is read defensively: only the fields we need
 are required, everything else is kept as received so it goes back out unchanged.
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from maingrad.analyzer.report import Report, Severity, normalize_context
+from maingrad.contracts.report import Report, Severity, normalize_context
 from maingrad.service.problems import ProblemError
 
 LEVEL_RANK = {"none": 0, "note": 0, "warning": 1, "error": 2}

@@ -11,6 +11,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from sqlalchemy import case, func, select, update
+from sqlalchemy.orm import Session
+
+from maingrad.contracts import records as contract
 from maingrad.service import fastjson
 from maingrad.service.db import Database
 from maingrad.service.dialect import insert_for, note_commit, with_retries
@@ -18,12 +22,9 @@ from maingrad.service.identifiers import COMMIT_RE
 from maingrad.service.models import Project, Record, Run, utcnow
 from maingrad.service.parsing import without_nul
 from maingrad.service.problems import ProblemError
-from sqlalchemy import case, func, select, update
-from sqlalchemy.orm import Session
 
-PHASES = frozenset({"forward", "backward"})
-ACTIONS = frozenset({"none", "exposed", "raised", "error"})
-_ANOMALOUS_ACTIONS = frozenset({"raised", "error"})
+PHASES = frozenset(contract.PHASES)
+ACTIONS = frozenset(contract.ACTIONS)
 
 
 def _bad(line: int, detail: str) -> ProblemError:
@@ -68,8 +69,10 @@ def parse_batch(body: bytes, run_name: str, max_records: int) -> tuple[list[tupl
         if "\\u0000" in line:  # an escaped NUL: PostgreSQL text cannot hold it in the indexed columns
             rec = without_nul(rec)
         get = rec.get
-        if get("schema", 1) != 1:
-            raise _bad(lineno, f"unsupported record schema {get('schema')!r} (expected 1)")
+        if get("schema", contract.SCHEMA_VERSION) != contract.SCHEMA_VERSION:
+            raise _bad(
+                lineno, f"unsupported record schema {get('schema')!r} (expected {contract.SCHEMA_VERSION})"
+            )
         rid = get("id")
         if type(rid) is not str or not 0 < len(rid) <= 255:
             raise _bad(lineno, "'id' must be a non-empty string of at most 255 characters")
@@ -101,7 +104,7 @@ def parse_batch(body: bytes, run_name: str, max_records: int) -> tuple[list[tupl
         anomaly = get("anomaly")
         if anomaly is not None and type(anomaly) is not str:
             raise _bad(lineno, "'anomaly' must be a string or null")
-        if anomaly is None and action in _ANOMALOUS_ACTIONS:
+        if anomaly is None and action in contract.ANOMALOUS_ACTIONS:
             anomaly = f"action:{action}"
         rec_commit = get("commit")
         if rec_commit is not None and rec_commit != seen_commit:

@@ -12,14 +12,15 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.dialect import bump_revision, insert_for, note_commit, with_retries
 from maingrad.service.models import Alert, Analysis, Finding, IdempotencyKey, Project, utcnow
 from maingrad.service.parsing import Limits, NormAnalysis, assign_fingerprints, parse_report
 from maingrad.service.problems import ProblemError
-from sqlalchemy import delete, select, update
-from sqlalchemy.orm import Session
 
 
 @dataclass

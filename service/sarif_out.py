@@ -6,10 +6,11 @@ import copy
 from collections import defaultdict
 from typing import Any
 
-from maingrad.service.models import Analysis, Finding
-from maingrad.service.parsing import SARIF_SCHEMA
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+
+from maingrad.service.models import Analysis, Finding
+from maingrad.service.parsing import SARIF_SCHEMA
 
 FINGERPRINT_KEY = "maingrad/alert"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from maingrad.analyzer.report import Report, Severity
 from maingrad.analyzer.reporters.base import OutputOptions
+from maingrad.contracts.report import Report, Severity
 
 _COMMAND = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "notice"}
 

@@ -1,9 +1,9 @@
-"""The versioned maingrad JSON report (schema in docs/report-format.md; model in analyzer/report.py)."""
+"""The versioned maingrad JSON report (schema in docs/report-format.md; model in contracts/report.py)."""
 
 from __future__ import annotations
 
-from maingrad.analyzer.report import Report
 from maingrad.analyzer.reporters.base import OutputOptions
+from maingrad.contracts.report import Report
 
 
 def render_json(report: Report, options: OutputOptions) -> str:

@@ -16,8 +16,8 @@ import json
 from typing import Any
 from urllib.parse import quote
 
-from maingrad.analyzer.report import Report
 from maingrad.analyzer.reporters.base import OutputOptions
+from maingrad.contracts.report import Report
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_VERSION = "2.1.0"
@@ -36,7 +36,7 @@ def build_sarif(report: Report, options: OutputOptions) -> dict[str, Any]:
     infos = {r.id: r for r in report.rules}
     for finding in report.findings:  # rules that are reported but not listed still get a descriptor
         if finding.rule not in infos:
-            from maingrad.analyzer.report import RuleInfo
+            from maingrad.contracts.report import RuleInfo
 
             infos[finding.rule] = RuleInfo(finding.rule, finding.rule, finding.severity, "", "")
     for rule_id in sorted(infos):

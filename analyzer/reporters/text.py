@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from maingrad.analyzer.report import Finding, Report
 from maingrad.analyzer.reporters.base import OutputOptions
+from maingrad.contracts.report import Finding, Report
 
 _RESET, _BOLD, _RED, _CYAN, _BLUE, _DIM = "\033[0m", "\033[1m", "\033[31m", "\033[36m", "\033[34m", "\033[2m"
 

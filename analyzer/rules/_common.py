@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import libcst as cst
+
 from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext
 from maingrad.analyzer.names import dotted_name

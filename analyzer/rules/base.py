@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import libcst as cst
+
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.needles import Needle
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.syntax_index import SyntaxIndex
+from maingrad.contracts.report import Severity
 
 DOCS_BASE_URI = "https://github.com/maingrad/maingrad/blob/main/docs/rules"
 

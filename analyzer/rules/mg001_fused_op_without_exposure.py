@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import libcst as cst
+
 from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.names import dotted_name
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
     all_nodes,
     code_of,
@@ -36,6 +36,7 @@ from maingrad.analyzer.rules._common import (
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
+from maingrad.contracts.report import Severity
 
 # Ops whose fused forward requires `main_grad` when built with accumulate_into_main_grad=True.
 FORWARD_CHECKING_OPS = ("transformer_engine.pytorch.ops.GroupedLinear",)

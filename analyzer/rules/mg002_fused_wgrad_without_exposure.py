@@ -6,9 +6,9 @@ import ast
 from collections.abc import Iterator
 
 import libcst as cst
+
 from maingrad.analyzer import syntax_index
 from maingrad.analyzer.context import FileContext, RuleSettings
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
     ABSENT,
     code_of,
@@ -27,6 +27,7 @@ from maingrad.analyzer.rules._common import (
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
+from maingrad.contracts.report import Severity
 
 # Megatron's fused_weight_gradient_mlp_cuda kernels: (input, grad_output, main_grad) accumulate in place.
 KERNELS = frozenset({"wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"})

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from enum import Enum
 
 import libcst as cst
+
 from maingrad.analyzer.context import FileContext, RuleSettings
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
     code_of,
     enclosing_function,
@@ -18,6 +18,7 @@ from maingrad.analyzer.rules._common import (
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
+from maingrad.contracts.report import Severity
 
 
 class _Use(Enum):

@@ -7,9 +7,9 @@ import re
 from collections.abc import Iterator
 
 import libcst as cst
+
 from maingrad.analyzer import syntax_index
 from maingrad.analyzer.context import FileContext, RuleSettings
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
     CAUGHT,
     PRESENT,
@@ -22,6 +22,7 @@ from maingrad.analyzer.rules._common import (
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
+from maingrad.contracts.report import Severity
 
 
 class UnguardedGetMainGrad(Rule):

@@ -23,12 +23,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import libcst as cst
+
 from maingrad.analyzer import syntax_index, walk
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.names import dotted_name, names_match, package_of, resolve_relative
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules.base import Example, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex, pos
+from maingrad.contracts.report import Severity
 
 _CONTAINERS = (
     "transformer_engine.pytorch.ops.Sequential",

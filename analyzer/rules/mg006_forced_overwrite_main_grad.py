@@ -23,9 +23,9 @@ import re
 from collections.abc import Iterator
 
 import libcst as cst
+
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.names import dotted_name
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
     all_nodes,
     code_of,
@@ -38,6 +38,7 @@ from maingrad.analyzer.rules._common import (
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex, pos
+from maingrad.contracts.report import Severity
 
 FLAG = "overwrite_main_grad"
 _WRAPPER_PATH = re.compile(

@@ -27,10 +27,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import libcst as cst
+
 from maingrad.analyzer import syntax_index
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.names import dotted_name
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import (
     all_nodes,
     code_of,
@@ -42,6 +42,7 @@ from maingrad.analyzer.rules._common import (
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import Spine, SyntaxIndex
+from maingrad.contracts.report import Severity
 
 _BOOL_PREFIX = re.compile(r"^_*(accumulate|overwrite|use|is|has|fuse|grad_added|zero|skip|with|need|should)")
 _MAIN_GRAD_NAME = re.compile(r"main_grads?$")

@@ -24,10 +24,10 @@ import re
 from collections.abc import Iterator
 
 import libcst as cst
+
 from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.names import dotted_name
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules._common import code_of, is_simple_chain, keyword, positional, string_value
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.rules.mg006_forced_overwrite_main_grad import _WRAPPER_CLASS, _WRAPPER_PATH, in_wrapper
@@ -38,6 +38,7 @@ from maingrad.analyzer.rules.mg007_wgrad_dtype import (
     spine_is_main_grad,
 )
 from maingrad.analyzer.syntax_index import SyntaxIndex, pos
+from maingrad.contracts.report import Severity
 
 FLAG = "grad_added_to_main_grad"
 _BACKWARD = re.compile(r"(^|_)backward(_|$)")

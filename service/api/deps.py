@@ -8,11 +8,12 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
 from maingrad.service import auth
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.models import Project
-from sqlalchemy.orm import Session
 
 bearer = HTTPBearer(
     auto_error=False, description="A maingrad token: `mgp_...` (project) or `mga_...` (admin)."

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Path, Query
+
 from maingrad.service.identifiers import COMMIT_PATTERN
 
 SHA = COMMIT_PATTERN

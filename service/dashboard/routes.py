@@ -13,6 +13,9 @@ from fastapi import APIRouter, Depends, FastAPI, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
 from maingrad.service import auth, records
 from maingrad.service.api.deps import get_session
 from maingrad.service.api.routes.reports import commits_page
@@ -21,8 +24,6 @@ from maingrad.service.gate import compute_gate
 from maingrad.service.models import Alert, Project, Record, Run
 from maingrad.service.problems import ProblemError
 from maingrad.service.tokens import expand_scopes
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
 
 HERE = Path(__file__).parent
 COOKIE = "maingrad_token"

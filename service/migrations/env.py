@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy import create_engine
+
 from maingrad.service.db import normalize_url
 from maingrad.service.models import Base, UTCDateTime
-from sqlalchemy import create_engine
 
 config = context.config
 target_metadata = Base.metadata

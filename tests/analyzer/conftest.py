@@ -11,10 +11,11 @@ from pathlib import Path
 
 import libcst as cst
 import pytest
+
 from maingrad.analyzer.catalog import register_rule, unregister_rule
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules.base import Fix, Rule, Violation
 from maingrad.cli.main import main
+from maingrad.contracts.report import Severity
 
 _DOCS = "## What it does\nTest rule.\n\n## Why is this bad?\nTest.\n\n## Example\n\n## Use instead\n"
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from maingrad.analyzer.rules import all_rules
 
 pytestmark = pytest.mark.usefixtures("test_rules")

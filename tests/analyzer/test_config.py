@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from maingrad.analyzer.config import ConfigError, find_config, load_config
 
 pytestmark = pytest.mark.usefixtures("test_rules")

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from maingrad.analyzer.discovery import discover
 
 

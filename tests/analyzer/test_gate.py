@@ -18,6 +18,7 @@ from pathlib import Path
 
 import libcst as cst
 import pytest
+
 from maingrad.analyzer import syntax_index
 from maingrad.analyzer.context import RuleSettings
 from maingrad.analyzer.engine import analyze_source, fix_source
@@ -29,7 +30,6 @@ from maingrad.analyzer.rules import mg008_missing_grad_added_to_main_grad as mg0
 from maingrad.analyzer.rules.base import Example, Rule
 from maingrad.analyzer.syntax_index import NO_GATE_ENV, build_index
 from maingrad.cli.main import main
-
 from tests.testbeds import testbed as bed_dir
 
 RULES = rules_by_id()

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from maingrad.analyzer.changes import parse_diff
 
 pytestmark = pytest.mark.usefixtures("test_rules")

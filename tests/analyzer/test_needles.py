@@ -5,8 +5,8 @@ from __future__ import annotations
 from maingrad.analyzer.catalog import RuleMeta
 from maingrad.analyzer.engine import analyze_source
 from maingrad.analyzer.needles import needles_match
-from maingrad.analyzer.report import Severity
 from maingrad.analyzer.rules import rules_by_id
+from maingrad.contracts.report import Severity
 
 
 def test_string_and_tuple_needles() -> None:

@@ -11,6 +11,7 @@ import typing
 import libcst as cst
 import pytest
 from libcst.metadata import PositionProvider
+
 from maingrad.analyzer.context import FileContext
 from maingrad.analyzer.engine import _positions
 

@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 import yaml
+
 from maingrad.cli.main import build_parser
 
 HOOKS = Path(__file__).resolve().parents[2] / ".pre-commit-hooks.yaml"

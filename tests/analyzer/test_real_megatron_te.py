@@ -17,13 +17,14 @@ from pathlib import Path
 import libcst as cst
 import pytest
 from libcst.metadata import MetadataWrapper, PositionProvider
+
 from maingrad.analyzer.engine import analyze_source, fix_source
-from maingrad.analyzer.report import Finding
 from maingrad.analyzer.rules import all_rules
 from maingrad.analyzer.rules.mg001_fused_op_without_exposure import METHOD, FusedOpWithoutExposure
 from maingrad.analyzer.rules.mg002_fused_wgrad_without_exposure import FusedWgradWithoutExposure
 from maingrad.analyzer.rules.mg003_main_grad_truth_test import MainGradTruthTest
 from maingrad.analyzer.rules.mg004_unguarded_get_main_grad import UnguardedGetMainGrad
+from maingrad.contracts.report import Finding
 
 
 def _load_testbeds() -> typing.Any:

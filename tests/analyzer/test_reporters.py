@@ -7,8 +7,9 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from maingrad.analyzer.report import Report
+
 from maingrad.analyzer.reporters.github import escape_data, escape_property
+from maingrad.contracts.report import Report
 
 pytestmark = pytest.mark.usefixtures("test_rules")
 

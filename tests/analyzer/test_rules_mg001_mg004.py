@@ -7,6 +7,7 @@ import textwrap
 
 import libcst as cst
 import pytest
+
 from maingrad.analyzer.context import RuleSettings
 from maingrad.analyzer.engine import analyze_source, fix_source
 from maingrad.analyzer.rules.base import Rule

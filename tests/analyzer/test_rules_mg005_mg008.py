@@ -10,11 +10,11 @@ from pathlib import Path
 
 import libcst as cst
 import pytest
+
 from maingrad.analyzer.context import RuleSettings
 from maingrad.analyzer.engine import analyze_source, fix_source
-from maingrad.analyzer.report import Finding
 from maingrad.analyzer.rules import rules_by_id
-
+from maingrad.contracts.report import Finding
 from tests.testbeds import testbed as bed_dir
 
 RULES = ("MG005", "MG006", "MG007", "MG008")

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from maingrad.analyzer import runner
 
 pytestmark = pytest.mark.usefixtures("test_rules")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from maingrad.analyzer.suppressions import parse_suppressions
 
 pytestmark = pytest.mark.usefixtures("test_rules")

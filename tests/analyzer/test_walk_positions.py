@@ -12,6 +12,7 @@ import typing
 import libcst as cst
 import pytest
 from libcst.metadata import PositionProvider
+
 from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext, _ParentCollector
 from maingrad.analyzer.positions import LazyPositions

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from emulators import GroupedLinear, MegatronFSDP, OpGroupedLinear, OpSiLU, Sequential, make_layer
+
 from maingrad.hooks.discovery import CONTAINER, EXPLICIT, MEGATRON_LINEAR, OP_FUSER, TE_MODULE, discover
 
 
@@ -109,6 +110,7 @@ def test_explicit_targets_modules_and_patterns() -> None:
 def test_explicit_child_target_is_called_by_megatron_replay_as_hook_module_none() -> None:
     """A hook on linear_fc1 is replayed by the fused path as hook(module, None) and must return None."""
     from emulators import batches, fsdp_run
+
     from maingrad.hooks import install
 
     model = MegatronFSDP(make_layer(), "optim_grads")

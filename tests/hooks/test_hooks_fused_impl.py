@@ -15,6 +15,7 @@ from emulators import (
     make_layer,
     reference_run,
 )
+
 from maingrad.hooks import MainGradContractError, install
 
 DENSE = "0.19.2-dense"

@@ -9,8 +9,9 @@ import weakref
 import pytest
 import torch
 from emulators import MegatronFSDP, batches, fsdp_run, make_layer
+
+from maingrad.contracts.records import validate
 from maingrad.hooks import MainGradContractError, MainGradHooksWarning, install, watch
-from maingrad.hooks.records import validate
 
 _ALLOWED = {"dtype", "shape", "device", "data_ptr", "numel"}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from emulators import STRATEGIES, MegatronFSDP, batches, fsdp_run, make_layer
+
 from maingrad.hooks import MainGradContractError, install, instrument
 
 _VOLATILE = ("t_ns", "run")

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from emulators import MegatronFSDP, batches, fsdp_run, make_layer
+
 from maingrad.cli.main import main as cli_main
+from maingrad.contracts.records import FIELDS, validate
 from maingrad.hooks import HttpSink, JsonlSink, MemorySink, expose_main_grad, install
-from maingrad.hooks.records import FIELDS, RecordRing, RunMeta, to_dict, to_dicts, validate
+from maingrad.hooks.records import RecordRing, RunMeta, to_dict, to_dicts
 
 
 def _train(**kwargs):

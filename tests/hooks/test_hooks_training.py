@@ -19,6 +19,7 @@ from emulators import (
     max_rel_diff,
     reference_run,
 )
+
 from maingrad.hooks import MainGradContractError, MainGradHooksWarning, install
 
 STEPS = 2

@@ -20,9 +20,10 @@ import pytest
 with warnings.catch_warnings():  # starlette's notice about httpx2; irrelevant to these tests
     warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
     from fastapi.testclient import TestClient
+from svc_helpers import ADMIN, SECRET, admin_headers, unique
+
 from maingrad.service.app import create_app
 from maingrad.service.config import Settings
-from svc_helpers import ADMIN, SECRET, admin_headers, unique
 
 PG_URL = os.environ.get("MAINGRAD_TEST_POSTGRES_URL")
 BACKENDS = [

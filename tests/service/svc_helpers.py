@@ -40,7 +40,7 @@ def finding(
     snippet: str = "ops.GroupedLinear(accumulate_into_main_grad=self.fuse)",
     fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    from maingrad.analyzer.report import fingerprint as fp
+    from maingrad.contracts.report import fingerprint as fp
 
     return {
         "rule": rule,

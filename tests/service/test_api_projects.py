@@ -6,10 +6,11 @@ import datetime as dt
 
 from conftest import ProjectCtx
 from fastapi.testclient import TestClient
-from maingrad.service import tokens
-from maingrad.service.models import Token
 from sqlalchemy import select, text, update
 from svc_helpers import SECRET, admin_headers, unique
+
+from maingrad.service import tokens
+from maingrad.service.models import Token
 
 
 def test_create_project_conflict_and_validation(client: TestClient) -> None:

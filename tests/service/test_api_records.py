@@ -161,6 +161,7 @@ def test_raw_records_are_kept_and_paginated(project: ProjectCtx) -> None:
 def test_too_many_records_in_one_batch(database_url: str) -> None:
     from conftest import new_project, settings_for
     from fastapi.testclient import TestClient
+
     from maingrad.service.app import create_app
 
     with TestClient(create_app(settings_for(database_url, max_records_per_batch=5))) as c:

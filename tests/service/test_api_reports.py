@@ -8,8 +8,9 @@ import json
 import pytest
 from conftest import ProjectCtx, new_project, settings_for
 from fastapi.testclient import TestClient
-from maingrad.service.app import create_app
 from svc_helpers import ADMIN, finding, report, sarif, sarif_result, sha
+
+from maingrad.service.app import create_app
 
 
 def test_maingrad_report_is_stored_with_fingerprints(project: ProjectCtx) -> None:

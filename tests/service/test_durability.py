@@ -17,10 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import settings_for
-from maingrad.service.db import Database
-from maingrad.service.models import Analysis, Record, Run
 from sqlalchemy import func, select
 from svc_helpers import ADMIN, Server, finding, ndjson, record, report, sha, unique
+
+from maingrad.service.db import Database
+from maingrad.service.models import Analysis, Record, Run
 
 pytestmark = pytest.mark.slow
 H = {"Authorization": f"Bearer {ADMIN}"}

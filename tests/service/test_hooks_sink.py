@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from maingrad.hooks.records import RunMeta, validate
-from maingrad.hooks.sinks import HttpSink
 from svc_helpers import ADMIN, Server, record, sha, unique
+
+from maingrad.contracts.records import validate
+from maingrad.hooks.records import RunMeta
+from maingrad.hooks.sinks import HttpSink
 
 
 def test_http_sink_delivers_to_the_records_endpoint(tmp_path: Path) -> None:

@@ -6,11 +6,12 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from conftest import settings_for
 from fastapi.testclient import TestClient
+from sqlalchemy import inspect
+
 from maingrad.service import migrate
 from maingrad.service.app import create_app
 from maingrad.service.db import Database
 from maingrad.service.models import Base
-from sqlalchemy import inspect
 
 
 def test_empty_database_is_migrated_to_head_and_matches_the_models(fresh_database_url: str) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from conftest import new_project
 from fastapi.testclient import TestClient
-from maingrad.service.models import Alert, Analysis, Project, Record, Run, Token
 from sqlalchemy import func, select, update
 from svc_helpers import admin_headers, finding, ndjson, record, report, sha
+
+from maingrad.service.models import Alert, Analysis, Project, Record, Run, Token
 
 # (method, path template) -> required scope. Must list every project-scoped API operation.
 REQUIRED = {

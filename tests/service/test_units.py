@@ -6,6 +6,7 @@ import gzip
 import re
 
 import pytest
+
 from maingrad.service import tokens
 from maingrad.service.bodies import gunzip_capped
 from maingrad.service.dashboard.svg import _ticks, downsample, timeline_svg

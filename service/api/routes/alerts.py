@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
+from sqlalchemy import select
+
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, TriageAccess
 from maingrad.service.api.params import CursorQuery, IdPath, LimitQuery
 from maingrad.service.dialect import bump_revision
@@ -12,7 +14,6 @@ from maingrad.service.models import Alert, AlertEvent, utcnow
 from maingrad.service.pagination import keyset_page
 from maingrad.service.problems import ProblemError
 from maingrad.service.schemas import AlertDetail, AlertOut, AlertUpdate, Page
-from sqlalchemy import select
 
 router = APIRouter(tags=["alerts"])
 

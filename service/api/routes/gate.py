@@ -14,6 +14,8 @@ from fastapi import APIRouter, Request, Security
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
+from sqlalchemy import select
+
 from maingrad.service import auth, fastjson, gate_cache
 from maingrad.service.api.deps import ProjectName, ReadAccess, SessionDep, SettingsDep, bearer
 from maingrad.service.api.params import CommitQuery, OptionalCommitQuery
@@ -21,7 +23,6 @@ from maingrad.service.gate import compute_gate
 from maingrad.service.models import Analysis
 from maingrad.service.sarif_out import new_results_sarif
 from maingrad.service.schemas import GateOut
-from sqlalchemy import select
 
 router = APIRouter(tags=["gate"])
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from sqlalchemy import text
+
 from maingrad.service import migrate
 from maingrad.service.api.deps import DbDep
 from maingrad.service.problems import problem_response
 from maingrad.service.schemas import Health, Problem, Ready
-from sqlalchemy import text
 
 router = APIRouter(tags=["health"])
 

@@ -6,6 +6,9 @@ import datetime as dt
 from typing import Any
 
 from fastapi import APIRouter, status
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
 from maingrad.service import auth
 from maingrad.service.api.deps import AdminAccess, DbDep, PrincipalDep, ReadAccess, SessionDep, SettingsDep
 from maingrad.service.api.params import CursorQuery, IdPath, LimitQuery
@@ -21,8 +24,6 @@ from maingrad.service.schemas import (
     TokenCreated,
     TokenOut,
 )
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 
 router = APIRouter(tags=["projects"])
 

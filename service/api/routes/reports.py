@@ -7,6 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from sqlalchemy import func, select
+
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep, UploadAccess
 from maingrad.service.api.params import CommitQuery, CursorQuery, IdPath, LimitQuery, OptionalCommitQuery
 from maingrad.service.bodies import decode_content, read_body
@@ -17,7 +19,6 @@ from maingrad.service.problems import ProblemError
 from maingrad.service.reports import analysis_dict, store_report
 from maingrad.service.sarif_out import analysis_sarif
 from maingrad.service.schemas import AnalysisOut, CommitOut, FindingOut, Page, UploadResult
-from sqlalchemy import func, select
 
 router = APIRouter(tags=["reports"])
 

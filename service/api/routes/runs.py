@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
 from fastapi.concurrency import run_in_threadpool
+from sqlalchemy import select
+
 from maingrad.service import records
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep, UploadAccess
 from maingrad.service.api.params import CursorQuery, LimitQuery, OptionalCommitQuery
@@ -15,7 +17,6 @@ from maingrad.service.models import Record, Run
 from maingrad.service.pagination import decode_key_cursor, encode_key_cursor, keyset_page
 from maingrad.service.problems import ProblemError
 from maingrad.service.schemas import Page, RecordOut, RecordsIngested, RunDetail, RunOut, Timeline
-from sqlalchemy import select
 
 router = APIRouter(tags=["runtime"])
 

@@ -1,4 +1,4 @@
-"""The analyzer's report: the one data model shared with the service (which imports it; never the reverse).
+"""The report model: the one data model the analyzer writes and the service reads (both import it from here).
 
 JSON schema version 1 (documented in docs/report-format.md):
 
