@@ -10,6 +10,8 @@ like a file no needle matches. `gate=False` (or `MAINGRAD_NO_GATE=1`) skips the 
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -80,13 +82,35 @@ def parse(source: str, path: str) -> cst.Module | ParseError:
     try:
         return cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
-        return ParseError(
-            path=path, message=f"syntax error: {exc.message}", line=exc.raw_line, column=exc.raw_column + 1
-        )
+        return _syntax_error(source, path, exc)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # exotic input: other libcst errors, even a native parser panic
-        return ParseError(path=path, message=f"{type(exc).__name__}: {exc}")
+        return ParseError(path=path, message=f"cannot parse: {type(exc).__name__}: {exc}", line=1, column=1)
+
+
+_LIBCST_WHERE = re.compile(r"^parser error: error at (\d+):(\d+): ")
+
+
+def _syntax_error(source: str, path: str, exc: cst.ParserSyntaxError) -> ParseError:
+    """The interpreter's own message and position when it rejects the file too (they name the cause:
+    "'(' was never closed"), else libcst's, at the position its message gives (its `raw_line` points at
+    the start of the statement, not at the error)."""
+    try:
+        ast.parse(source)
+    except SyntaxError as error:
+        if error.lineno:
+            return ParseError(path, f"syntax error: {error.msg}", error.lineno, max(1, error.offset or 1))
+    except (ValueError, RecursionError, MemoryError):
+        pass
+    message = exc.message
+    match = _LIBCST_WHERE.match(message)
+    if match:
+        line, column = int(match.group(1)), int(match.group(2)) + 1
+        message = message[match.end() :]
+    else:
+        line, column = exc.raw_line, exc.raw_column + 1
+    return ParseError(path, f"syntax error: {message}", line, column)
 
 
 def analyze_source(
@@ -185,6 +209,9 @@ def _to_findings(
                 fingerprint=fp,
                 fix_available=violation.fix is not None,
                 snippet=snippet,
+                fix_applicability=None
+                if violation.fix is None
+                else ("safe" if violation.fix.safe else "unsafe"),
             )
         )
         if violation.fix is not None:

@@ -26,8 +26,13 @@ def decode_source(data: bytes) -> SourceText:
         return SourceText(data[len(codecs.BOM_UTF8) :].decode("utf-8"), "utf-8", True)
     try:
         return SourceText(data.decode("utf-8"), "utf-8", False)
-    except UnicodeDecodeError:
-        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except UnicodeDecodeError as not_utf8:
+        try:
+            encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        except SyntaxError as exc:
+            if "encoding problem" in str(exc) or "unknown encoding" in str(exc):
+                raise  # a cookie that names no codec, or a BOM that contradicts it
+            raise not_utf8 from None  # no cookie: the UTF-8 error says where the bad byte is
         if encoding in ("utf-8", "utf-8-sig"):
             raise
         return SourceText(data.decode(encoding), encoding, False)

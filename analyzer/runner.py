@@ -24,7 +24,7 @@ from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.progress import Progress
 from maingrad.analyzer.suppressions import MARKER, apply_suppressions, parse_suppressions, unused_findings
 from maingrad.analyzer.syntax_index import gate_enabled
-from maingrad.contracts.report import Finding, ParseError, Report, Severity
+from maingrad.contracts.report import Finding, NotAnalyzed, ParseError, Report, Severity
 
 # Below this many characters of source to parse, a process pool costs more than it saves.
 POOL_MIN_CHARS = 150_000
@@ -230,13 +230,47 @@ def _read(source: SourceFile) -> tuple[bytes | None, str | None]:
         return None, f"cannot read file: {exc.strerror or exc}"
 
 
+def _decode(relpath: str, data: bytes) -> tuple[str | None, ParseError | None]:
+    """The file's text, or why it is not Python source text (with the line and column of the first bad
+    byte): undecodable in its declared encoding (UTF-8 by default), an unknown or malformed coding cookie,
+    or a NUL byte (which the interpreter refuses too)."""
+    try:
+        text = decode_source(data).text
+    except UnicodeDecodeError as exc:
+        line, column = _line_column(data, exc.start)
+        bad = data[exc.start : exc.start + 1].hex()
+        message = f"cannot decode file as {exc.encoding}: byte 0x{bad} ({exc.reason}); "
+        message += "re-encode it or declare its encoding (PEP 263 coding cookie)"
+        return None, ParseError(relpath, message, line, column, NotAnalyzed.DECODE)
+    except SyntaxError as exc:  # a malformed coding cookie
+        return None, ParseError(
+            relpath, f"cannot decode file: {exc.msg}", exc.lineno or 1, 1, NotAnalyzed.DECODE
+        )
+    except LookupError as exc:  # a coding cookie naming an unknown codec
+        return None, ParseError(relpath, f"cannot decode file: {exc}", 1, 1, NotAnalyzed.DECODE)
+    nul = text.find("\0")
+    if nul >= 0:
+        line = text.count("\n", 0, nul) + 1
+        column = nul - (text.rfind("\n", 0, nul) + 1) + 1
+        message = "cannot decode file: it contains a NUL byte (a binary file?)"
+        return None, ParseError(relpath, message, line, column, NotAnalyzed.DECODE)
+    return text, None
+
+
+def _line_column(data: bytes, offset: int) -> tuple[int, int]:
+    """1-based line and (byte) column of a byte offset."""
+    return data.count(b"\n", 0, offset) + 1, offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+
+
 def scan(
     files: Sequence[SourceFile],
     settings: ScanSettings,
     jobs: int | None = None,
     cache: ResultCache | None = None,
     show_progress: bool = False,
+    skipped: Sequence[ParseError] = (),
 ) -> ScanResult:
+    """Analyze `files`; `skipped`: what discovery could not read (reported as not analyzed)."""
     started = time.perf_counter()
     jobs = jobs or os.cpu_count() or 1
     file_rules = _FileRules(settings)
@@ -249,7 +283,8 @@ def scan(
     for source in files:
         data, error = _read(source)
         if data is None:
-            outcomes[source.relpath] = _error_outcome(source.relpath, error or "cannot read file")
+            failure = ParseError(source.relpath, error or "cannot read file", 1, 1, NotAnalyzed.READ)
+            outcomes[source.relpath] = _error_outcome(failure)
             continue
         digest = digests[source.relpath] = content_hash(data)
         cached = cache.get(source.relpath, digest) if cache is not None else None
@@ -257,10 +292,10 @@ def scan(
             outcomes[source.relpath] = cached
             hits += 1
             continue
-        try:
-            text = decode_source(data).text
-        except (UnicodeDecodeError, SyntaxError, LookupError) as exc:
-            outcomes[source.relpath] = _error_outcome(source.relpath, f"cannot decode file: {exc}")
+        text, failure = _decode(source.relpath, data)
+        if text is None:
+            assert failure is not None
+            outcomes[source.relpath] = _error_outcome(failure)
             continue
         ids = file_rules.for_path(source.relpath)
         if file_rules.needed(ids, text):
@@ -284,14 +319,18 @@ def scan(
             if relpath in digests and not outcome.get("internal"):
                 cache.put(relpath, digests[relpath], outcome)
         cache.save()
-    return _assemble(files, outcomes, settings, time.perf_counter() - started, hits)
+    result = _assemble(files, outcomes, settings, time.perf_counter() - started, hits)
+    if skipped:
+        result.report.parse_errors.extend(skipped)
+        result.report.parse_errors.sort(key=lambda e: (e.path, e.line or 0))
+    return result
 
 
-def _error_outcome(relpath: str, message: str) -> dict[str, Any]:
+def _error_outcome(error: ParseError) -> dict[str, Any]:
     return {
         "parsed": False,
         "findings": [],
-        "parse_error": ParseError(relpath, message).to_dict(),
+        "parse_error": error.to_dict(),
         "internal": [],
         "suppressed": 0,
     }
@@ -331,7 +370,7 @@ def _assemble(
         if outcome["parse_error"]:
             report.parse_errors.append(ParseError.from_dict(outcome["parse_error"]))
         for message in outcome["internal"]:
-            error = ParseError(source.relpath, message)
+            error = ParseError(source.relpath, message, kind=NotAnalyzed.INTERNAL)
             report.parse_errors.append(error)
             internal.append(error)
         report.findings.extend(Finding.from_dict(f) for f in outcome["findings"])

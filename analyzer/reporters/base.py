@@ -18,7 +18,10 @@ class OutputOptions:
     statistics: bool = False
     quiet: bool = False
     rules: tuple[RuleMeta, ...] = ()  # metadata (docs) of the reported rules, for SARIF help text
-    fixable: frozenset[str] = frozenset()  # fingerprints whose fix `maingrad fix` applies by default
+    fixable: frozenset[str] = (
+        frozenset()
+    )  # fingerprints whose fix `maingrad fix` applies (with the given flags)
+    hidden_fixes: int = 0  # findings with an unsafe fix that only `--unsafe-fixes` applies
 
     def display_path(self, relpath: str) -> str:
         """A report path as the user's shell sees it: relative to the working directory when under it."""
