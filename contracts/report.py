@@ -82,9 +82,21 @@ class Finding:
     fix_applicability: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["severity"] = self.severity.value
-        return data
+        # Spelled out (not dataclasses.asdict, which deep-copies every value): reports hold 10^5 findings.
+        return {
+            "rule": self.rule,
+            "severity": self.severity.value,
+            "path": self.path,
+            "line": self.line,
+            "column": self.column,
+            "end_line": self.end_line,
+            "end_column": self.end_column,
+            "message": self.message,
+            "fingerprint": self.fingerprint,
+            "fix_available": self.fix_available,
+            "snippet": self.snippet,
+            "fix_applicability": self.fix_applicability,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
