@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -231,7 +231,7 @@ def _run_check(args: argparse.Namespace) -> int:
     from maingrad.analyzer.cache import ResultCache, cache_dir, settings_key
     from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID, load_catalog
     from maingrad.analyzer.discovery import discover
-    from maingrad.analyzer.reporters import OutputOptions, render
+    from maingrad.analyzer.reporters import OutputOptions, iter_render
     from maingrad.analyzer.runner import ScanSettings, scan
     from maingrad.contracts.report import ParseError
 
@@ -347,13 +347,16 @@ def _run_check(args: argparse.Namespace) -> int:
         else sum(1 for f in report.findings if f.fix_applicability == "unsafe"),
     )
     fmt = "text" if args.statistics else args.format
-    text = render(fmt, report, options)
+    pieces = iter_render(fmt, report, options)  # written piece by piece: never the whole text at once
     if to_file:
-        from maingrad.analyzer.fileio import atomic_write
+        from maingrad.analyzer.fileio import atomic_writer
 
-        atomic_write(args.output, text.encode("utf-8"))
+        with atomic_writer(args.output) as handle:
+            for batch in _batches(pieces):
+                handle.write(batch.encode("utf-8"))
     else:
-        stream.write(text)
+        for batch in _batches(pieces):
+            stream.write(batch)
         stream.flush()
     if to_file:
         _errors_to_stderr(report, config, args)
@@ -362,6 +365,20 @@ def _run_check(args: argparse.Namespace) -> int:
     if (report.findings or report.parse_errors) and not args.exit_zero:
         return EXIT_FINDINGS
     return EXIT_OK
+
+
+def _batches(pieces: Iterator[str], size: int = 1 << 16) -> Iterator[str]:
+    """Join small pieces into writes of about `size` characters."""
+    buffer: list[str] = []
+    length = 0
+    for piece in pieces:
+        buffer.append(piece)
+        length += len(piece)
+        if length >= size:
+            yield "".join(buffer)
+            buffer, length = [], 0
+    if buffer:
+        yield "".join(buffer)
 
 
 def _errors_to_stderr(report: Any, config: Config, args: argparse.Namespace) -> int:

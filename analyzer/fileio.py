@@ -8,8 +8,10 @@ import io
 import os
 import tempfile
 import tokenize
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,14 @@ def encode_source(source: SourceText, text: str) -> bytes:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write via a temporary file in the same directory and rename, keeping the file's mode: a crash or a
     concurrent reader never sees a half-written file."""
+    with atomic_writer(path) as handle:
+        handle.write(data)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
+    """`atomic_write` for content written in pieces: a binary handle on the temporary file, renamed over
+    `path` when the block ends without an exception (and removed when it raises)."""
     path = Path(path)
     mode: int | None = None
     with contextlib.suppress(OSError):
@@ -53,7 +63,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            yield handle
         if mode is None:  # a new file gets the permissions a plain open() would give it
             umask = os.umask(0)
             os.umask(umask)

@@ -146,7 +146,7 @@ def analyze_text(relpath: str, text: str, rule_ids: tuple[str, ...]) -> dict[str
         return outcome
     outcome["parsed"] = result.parsed
     findings, outcome["suppressed"] = _suppress(relpath, text, result.findings, result.anchors, rule_ids)
-    outcome["findings"] = [f.to_dict() for f in findings]
+    outcome["findings"] = findings  # Finding objects (dicts only for the cache: see _cacheable)
     return outcome
 
 
@@ -317,13 +317,27 @@ def scan(
     if cache is not None:
         for relpath, outcome in outcomes.items():
             if relpath in digests and not outcome.get("internal"):
-                cache.put(relpath, digests[relpath], outcome)
+                cacheable = _cacheable(outcome)
+                if cacheable is not None:
+                    cache.put(relpath, digests[relpath], cacheable)
         cache.save()
     result = _assemble(files, outcomes, settings, time.perf_counter() - started, hits)
     if skipped:
         result.report.parse_errors.extend(skipped)
         result.report.parse_errors.sort(key=lambda e: (e.path, e.line or 0))
     return result
+
+
+# A file with more findings than this is not cached: its cache entry (one JSON document with every other
+# file's) would cost more memory than the report itself, and re-analyzing it is what its findings cost anyway.
+CACHE_MAX_FINDINGS = 10_000
+
+
+def _cacheable(outcome: dict[str, Any]) -> dict[str, Any] | None:
+    findings = outcome["findings"]
+    if len(findings) > CACHE_MAX_FINDINGS:
+        return None
+    return {**outcome, "findings": [f if isinstance(f, dict) else f.to_dict() for f in findings]}
 
 
 def _error_outcome(error: ParseError) -> dict[str, Any]:
@@ -349,7 +363,7 @@ def _unparsed_outcome(
     }
     if settings.warn_unused_ignores and MARKER in text:
         findings, _ = _suppress(relpath, text, [], {}, ids)
-        outcome["findings"] = [f.to_dict() for f in findings]
+        outcome["findings"] = findings
     return outcome
 
 
@@ -373,7 +387,10 @@ def _assemble(
             error = ParseError(source.relpath, message, kind=NotAnalyzed.INTERNAL)
             report.parse_errors.append(error)
             internal.append(error)
-        report.findings.extend(Finding.from_dict(f) for f in outcome["findings"])
+        report.findings.extend(
+            f if isinstance(f, Finding) else Finding.from_dict(f) for f in outcome["findings"]
+        )
+        outcome["findings"] = ()  # the report holds them now
         suppressed += outcome["suppressed"]
     report.findings.sort(key=lambda f: f.sort_key)
     severities = dict(settings.severities)

@@ -6,6 +6,7 @@ fixes and hidden (unsafe) fixes apart. Colour only when asked (on a terminal).""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from maingrad.analyzer.reporters.base import OutputOptions
@@ -103,8 +104,12 @@ def summary_lines(report: Report, options: OutputOptions) -> list[str]:
 
 
 def render_text(report: Report, options: OutputOptions) -> str:
+    return "".join(iter_text(report, options))
+
+
+def iter_text(report: Report, options: OutputOptions) -> Iterator[str]:
+    """The text report, line by line (findings and MG999 diagnostics merged in path and line order)."""
     style = _Style(options.color)
-    out: list[str] = []
     names = {r.id: r.name for r in report.rules}
     if options.statistics:
         counts = Counter(f.rule for f in report.findings)
@@ -117,7 +122,7 @@ def render_text(report: Report, options: OutputOptions) -> str:
             rows.append((len(report.parse_errors), NOT_ANALYZED_CODE, "[ ]", "not-analyzed"))
         width = max((len(str(row[0])) for row in rows), default=1)
         for count, rule, mark, name in sorted(rows, key=lambda row: (-row[0], row[1])):
-            out.append(f"{str(count).rjust(width)}\t{style(rule, _RED, _BOLD)}\t{mark} {name}".rstrip())
+            yield f"{str(count).rjust(width)}\t{style(rule, _RED, _BOLD)}\t{mark} {name}".rstrip() + "\n"
     else:
         sources: dict[str, list[str] | None] = {}
         errors = sorted(report.parse_errors, key=lambda e: (e.path, e.line or 0, e.column or 0))
@@ -127,20 +132,19 @@ def render_text(report: Report, options: OutputOptions) -> str:
                 f.path,
                 f.line,
             ):
-                out.append(error_line(errors[next_error], options, style))
+                yield error_line(errors[next_error], options, style) + "\n"
                 next_error += 1
             mark = "[*] " if f.fingerprint in options.fixable else ""
             where = f"{style(options.display_path(f.path), _BOLD)}{style(':', _CYAN)}{f.line}{style(':', _CYAN)}{f.column}"
-            out.append(f"{where}{style(':', _CYAN)} {style(f.rule, _RED, _BOLD)} {mark}{f.message}")
+            yield f"{where}{style(':', _CYAN)} {style(f.rule, _RED, _BOLD)} {mark}{f.message}\n"
             if options.show_source:
                 lines = _source_lines(options, f.path, sources)
                 if lines and f.line <= len(lines):
-                    out.extend(_context(f, lines, style))
-                    out.append("")
-        out.extend(error_line(e, options, style) for e in errors[next_error:])
+                    yield "".join(line + "\n" for line in _context(f, lines, style)) + "\n"
+        for error in errors[next_error:]:
+            yield error_line(error, options, style) + "\n"
     if not options.quiet:
-        out.extend(summary_lines(report, options))
-    return "".join(line + "\n" for line in out)
+        yield "".join(line + "\n" for line in summary_lines(report, options))
 
 
 def render_errors(report: Report, options: OutputOptions) -> str:

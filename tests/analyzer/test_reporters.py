@@ -241,3 +241,18 @@ def test_json_round_trips_through_the_report_model(project, run) -> None:
     project(FILES)
     text = run("check", "--format", "json").out
     assert json.loads(Report.from_json(text).to_json()) == json.loads(text)
+
+
+def test_streamed_formats_equal_the_whole_text(project, run, tmp_path: Path) -> None:
+    """The CLI writes reports piece by piece; the bytes are those of the one-string renderers."""
+    from maingrad.analyzer.reporters import OutputOptions, iter_render, render
+
+    project(FILES)
+    out = run("check", "--format", "json").out
+    report = Report.from_json(out)
+    assert out == report.to_json(indent=2) + "\n"
+    options = OutputOptions(root=tmp_path)
+    for fmt in ("text", "json", "github", "sarif"):
+        assert "".join(iter_render(fmt, report, options)) == render(fmt, report, options)
+    empty = Report(tool_version="0")
+    assert "".join(iter_render("json", empty, options)) == empty.to_json(indent=2) + "\n"
