@@ -37,7 +37,7 @@ def expose_param(param: torch.Tensor) -> bool:
     main_grad = get_main_grad()
     if not isinstance(main_grad, torch.Tensor):
         raise TypeError(f"get_main_grad() returned {type(main_grad).__name__}, not a tensor")
-    param.main_grad = main_grad
+    param.main_grad = main_grad  # type: ignore[attr-defined]  # the attribute Megatron adds to parameters
     return True
 
 
@@ -46,7 +46,7 @@ def force_overwrite_true(param: torch.Tensor) -> bool:
     if getattr(param, "overwrite_main_grad", _MISSING) is _MISSING:
         return False
     # Opt-in reproduction of upstream's forced overwrite (policy "force_true"); the default keeps the wrapper's.
-    param.overwrite_main_grad = True  # maingrad: ignore[MG006]
+    param.overwrite_main_grad = True  # type: ignore[attr-defined]  # maingrad: ignore[MG006]
     return True
 
 

@@ -73,7 +73,7 @@ _R_TRUE = repeat(True)
 _R_FALSE = repeat(False)
 _TENSOR_ONLY = frozenset({_Tensor})
 _FLAG_TYPES = frozenset({bool, type(None)})
-_data_ptr = _Tensor.data_ptr  # raises TypeError on anything but a tensor
+_data_ptr: Callable[[Any], int] = _Tensor.data_ptr  # raises TypeError on anything but a tensor
 _main_grad_of = attrgetter("main_grad")  # raises AttributeError where there is none
 _ow_of = attrgetter("overwrite_main_grad")
 _gam_of = attrgetter("grad_added_to_main_grad")
@@ -340,7 +340,7 @@ class Site:
         self.lookup = _make_lookup(self.takers)
         # The usual small site, one owner with several covered names, is looked up inline (no call).
         one = len(self.takers) == 1 and not self.takers[0][2]
-        self.owner1 = self.takers[0][0] if one else None
+        self.owner1: Any = self.takers[0][0] if one else None
         self.getter1 = self.takers[0][1] if one else None
         self.wgrads = tuple(w for *_, wgrads_, _ in self.groups for w in wgrads_)
         self.nslots = len(self.relnames)
@@ -477,7 +477,7 @@ class Site:
         self.lean = False
         self.pending = None
 
-    def pre_forward(self, module: torch.nn.Module, args: Any = None) -> None:
+    def pre_forward(self, module: torch.nn.Module, args: Any = None) -> None:  # noqa: C901 - hot path inlined on purpose
         """Forward pre-hook. Also accepts Megatron's replay `hook(module, None)`; always returns None.
 
         `lean` (a small site that records every call, not a container, forward not forcing the flag, hook
@@ -495,7 +495,7 @@ class Site:
                     plain = self.flag_reads
                     metas = self.buffer_meta
                     last = self.fwd_rows
-                    rows = None  # stays None while every row is the last call's
+                    rows: Any = None  # stays None while every row is the last call's
                     for i, p in enumerate(found):
                         mg = p.main_grad
                         if plain:
@@ -664,6 +664,7 @@ class Site:
         raises AttributeError, and `_all_present_slow` answers with getattr, as before.
         """
         strict = self.strict
+        found: Any
         try:
             for owner, getter, single, whole in self.fast:
                 params = owner._parameters
@@ -683,6 +684,7 @@ class Site:
 
     def _all_present_slow(self) -> bool:
         strict = self.strict
+        found: Any
         try:
             for owner, getter, single, whole in self.fast:
                 params = owner._parameters
@@ -709,7 +711,7 @@ class Site:
         if position is None:
             return
         for hook in hooks[position + 1 :]:
-            name = getattr(hook, "__qualname__", None) or getattr(
+            name: str = getattr(hook, "__qualname__", "") or getattr(
                 getattr(hook, "func", None), "__qualname__", ""
             )
             if "unshard" in name or "all_gather" in name:
@@ -796,7 +798,7 @@ class Site:
         plain = self.flag_reads
         metas = self.buffer_meta
         last = self.fwd_rows
-        rows = None  # stays None while every row is the last call's
+        rows: Any = None  # stays None while every row is the last call's
         for i, p in enumerate(found):
             mg = p.main_grad
             if plain:
@@ -851,7 +853,7 @@ class Site:
         checked = self.checked_ptr
         wgrads = self.wgrads
         plain = self.flag_reads
-        ptrs = []
+        ptrs: list[int] = []
         keep = ptrs.append
         for i, p in enumerate(found):
             mg = p.main_grad
@@ -878,7 +880,7 @@ class Site:
             keep(ptr)
         return ptrs
 
-    def _fast_backward(self, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:
+    def _fast_backward(self, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:  # noqa: C901 - hot path inlined on purpose
         """The backward steady state of a small site (see `_fast_forward`), overwrite detection included.
 
         The one anomaly it records itself is `overwrite_discards_microbatch` (not fatal: check mode does not
@@ -898,7 +900,7 @@ class Site:
         if record:
             metas = self.buffer_meta
             last_rows = self.bwd_rows
-            rows = None  # stays None while every row is the last call's (see fwd_rows)
+            rows: Any = None  # stays None while every row is the last call's (see fwd_rows)
         for i, p in enumerate(found):
             mg = p.main_grad
             if plain:
@@ -979,7 +981,7 @@ class Site:
             self.records += n
         return None
 
-    def _inspect_vectorised(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:
+    def _inspect_vectorised(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:  # noqa: C901 - hot path inlined on purpose
         """The steady state in C-level passes (map over the parameter list), recorded as one columnar entry.
 
         Returns what `_inspect` returns, or `_SLOW` (having changed nothing but `checked_ptr` entries it
@@ -1073,7 +1075,10 @@ class Site:
             return None
         return ptrs if (record or rt.check) else None
 
-    def _inspect_each(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None) -> list[int] | None:
+    # noqa below: every case of one parameter in one loop, the reference the fast paths are tested against.
+    def _inspect_each(  # noqa: C901
+        self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None
+    ) -> list[int] | None:
         """The general per-parameter path: exposes, forces, flags and records anomalies; raises in check mode."""
         rt = self.rt
         forward = phase == FORWARD
@@ -1088,7 +1093,10 @@ class Site:
             self.last_bwd_ptr = last
         anomalies = self.anomalies
         problems: list[tuple[str, str, Any]] | None = None
-        rows: list[tuple] | None = None
+        rows: list[Any] | None = None
+        found: Any
+        mg: Any
+        ptr: Any  # an int where main_grad is a tensor, else None
         if record:
             t, step = time_ns(), rt.step
             rows = []

@@ -164,18 +164,14 @@ class Row(NamedTuple):
     anomaly: str | None
 
 
-def _rows(cls: type, items: Iterable[tuple]) -> map:
-    return map(new, repeat(cls), items)
-
-
 def _expand(entry: Entry, seq: int, out: list[Row]) -> None:
     """Append the full rows of one entry, numbered from `seq`."""
-    cls = entry.__class__
-    if cls is ColumnsEntry:
+    if type(entry) is ColumnsEntry:
         n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, t, step, mb, phase, site = entry
         out.extend(
-            _rows(
-                Row,
+            map(
+                new,
+                repeat(Row),
                 zip(
                     range(seq, seq + n), repeat(t), repeat(step), repeat(mb), repeat(phase), repeat(site), range(n),
                     repeat(True), repeat(False), dtypes, shapes, devices, ptrs, ows, gams, fsdps, repeat(A_NONE),
@@ -184,20 +180,22 @@ def _expand(entry: Entry, seq: int, out: list[Row]) -> None:
             )
         )  # fmt: skip
         return
-    t, step, mb, phase, site = entry[2:] if cls is CallEntry else (None,) * 5
+    # An ErrorEntry has no call: its rows carry their own.
+    head: tuple[Any, ...] = entry[2:] if type(entry) is CallEntry else (None,) * 5
+    t, step, mb, phase, site = head
     append = out.append
-    for row in entry[1]:
-        kind = row.__class__
-        if kind is TensorRow:
+    rows: Sequence[SlotRow] = entry.rows  # type: ignore[union-attr]  # ColumnsEntry returned above
+    for row in rows:
+        if type(row) is TensorRow:
             slot, (ptr, dtype, shape, device), ow, gam, fsdp = row
             append(new(Row, (seq, t, step, mb, phase, site, slot, True, False, dtype, shape, device, ptr, ow, gam, fsdp, A_NONE, None)))  # fmt: skip
-        elif kind is FlaggedRow:
+        elif type(row) is FlaggedRow:
             slot, (ptr, dtype, shape, device), ow, gam, fsdp, action, anomaly = row
             append(new(Row, (seq, t, step, mb, phase, site, slot, True, False, dtype, shape, device, ptr, ow, gam, fsdp, action, anomaly)))  # fmt: skip
-        elif kind is PlainRow:
+        elif type(row) is PlainRow:
             slot, has, is_none, ow, gam, fsdp, action, anomaly = row
             append(new(Row, (seq, t, step, mb, phase, site, slot, has, is_none, None, None, None, None, ow, gam, fsdp, action, anomaly)))  # fmt: skip
-        else:  # ErrorRow
+        else:  # an ErrorRow: a whole row but its number (the only rows of an ErrorEntry)
             append(new(Row, (seq, *row)))
         seq += 1
 
@@ -344,7 +342,7 @@ def to_dicts(
     run, rank, mode, commit = meta.run, meta.rank, meta.mode, meta.commit
     prefix = f"{run}:{rank}:"
     formatted: dict[int, tuple[Any, Any]] = {}  # id(obj) -> (obj, text); obj held so its id stays its own
-    out = []
+    out: list[dict] = []
     append = out.append
     for row in rows:
         (
