@@ -2,7 +2,7 @@
 
 Megatron-FSDP leaves `param.main_grad` absent until the first backward and sets it to None after every
 gradient reduction; fused wgrad paths that read it in forward (TE's op-fuser GroupedLinear) then fail.
-The fix assigns `param.main_grad = param.get_main_grad()` first. Guards follow DESIGN.md §1: `is None` only
+The fix assigns `param.main_grad = param.get_main_grad()` first. Its guards are upstream's: `is None` only
 (a tensor is never truth-tested), `getattr(..., None)` so DDP parameters (no `get_main_grad`) are untouched.
 """
 

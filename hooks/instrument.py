@@ -10,7 +10,7 @@ numbers and the expansion into rows wait for the flush. Anything else, or any su
 (`_inspect_each`), which exposes, forces, flags and raises; the fast paths change nothing but caches before
 they hand over, so both give the same records (tests/hooks/test_hooks_paths.py).
 
-Hot-path rules (DESIGN.md §4): metadata only. Hooks read attributes, `dtype`, `shape`, `device` and
+Hot-path rules (the record contract, contracts/records.py): metadata only. Hooks read attributes, `dtype`, `shape`, `device` and
 `data_ptr()`; never `.item()`, `bool(tensor)` or a tensor comparison, so they never synchronize the device.
 Rows hold no tensor (dtype/shape/device objects and ints only), so no main_grad buffer outlives its owner
 because of us. Parameters are looked up in their owner's `_parameters` at every call, because Megatron-FSDP
