@@ -38,7 +38,7 @@ class ChangedLines:
         if finding.path in self.whole_files:
             return True
         changed = self.lines.get(finding.path)
-        return bool(changed) and any(
+        return changed is not None and any(
             n in changed for n in range(finding.line, max(finding.line, finding.end_line) + 1)
         )
 

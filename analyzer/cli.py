@@ -49,7 +49,7 @@ Unsafe fixes (listed as hidden fixes) are applied only with --unsafe-fixes."""
 PYTHON_SUFFIXES = (".py", ".pyi")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     check = subparsers.add_parser(
         "check",
         help="find main_grad contract bugs",
@@ -227,12 +227,33 @@ def _refuse_non_python(paths: Sequence[Path], config: Config) -> None:
             )
 
 
+def _scan_settings(args: argparse.Namespace, config: Config, catalog: tuple[Any, ...]) -> Any:
+    """The selected rules and per-file settings, after validating every rule code the user gave."""
+    from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID
+    from maingrad.analyzer.runner import ScanSettings
+
+    known = tuple(r.id for r in catalog)
+    if args.select:
+        check_codes(args.select, known, "--select")
+    if args.ignore:
+        check_codes(args.ignore, known, "--ignore")
+    validate_codes(config, (*known, UNUSED_SUPPRESSION_ID))
+    selected = set(config.selected(known))
+    return ScanSettings(
+        rules=tuple(r for r in catalog if r.id in selected),
+        known_ids=known,
+        per_file_ignores=tuple(config.per_file_ignores.items()),
+        severities=tuple(sorted((k, v.value) for k, v in config.severity.items())),
+        exposure_helpers=config.exposure_helpers,
+        warn_unused_ignores=config.warn_unused_ignores,
+    )
+
+
 def _run_check(args: argparse.Namespace) -> int:
     from maingrad.analyzer.cache import ResultCache, cache_dir, settings_key
-    from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID, load_catalog
+    from maingrad.analyzer.catalog import load_catalog
     from maingrad.analyzer.discovery import discover
-    from maingrad.analyzer.reporters import OutputOptions, iter_render
-    from maingrad.analyzer.runner import ScanSettings, scan
+    from maingrad.analyzer.runner import scan
     from maingrad.contracts.report import ParseError
 
     paths = list(args.paths) or [Path(".")]
@@ -246,21 +267,7 @@ def _run_check(args: argparse.Namespace) -> int:
     jobs = _jobs(args.jobs)
     directory = None if args.no_cache else cache_dir(config.root)
     catalog = load_catalog(directory)
-    known = tuple(r.id for r in catalog)
-    if args.select:
-        check_codes(args.select, known, "--select")
-    if args.ignore:
-        check_codes(args.ignore, known, "--ignore")
-    validate_codes(config, (*known, UNUSED_SUPPRESSION_ID))
-    selected = set(config.selected(known))
-    settings = ScanSettings(
-        rules=tuple(r for r in catalog if r.id in selected),
-        known_ids=known,
-        per_file_ignores=tuple(config.per_file_ignores.items()),
-        severities=tuple(sorted((k, v.value) for k, v in config.severity.items())),
-        exposure_helpers=config.exposure_helpers,
-        warn_unused_ignores=config.warn_unused_ignores,
-    )
+    settings = _scan_settings(args, config, catalog)
     skipped: list[ParseError] = []
     files = discover(
         paths,
@@ -295,13 +302,7 @@ def _run_check(args: argparse.Namespace) -> int:
                 if not args.unsafe_fixes:  # what --unsafe-fixes would add (findings with an unsafe fix)
                     found = scan(files, settings, jobs=jobs, cache=cache(), show_progress=progress)
                     hidden = sum(1 for f in found.report.findings if f.fix_applicability == "unsafe")
-                message = f"Would fix {would_fix} file{'s' if would_fix != 1 else ''}"
-                if hidden:
-                    message += (
-                        f" ({hidden} hidden fix{'es' if hidden != 1 else ''} can be enabled with "
-                        "`--unsafe-fixes`)"
-                    )
-                print(message + ".", file=sys.stderr)
+                print(_would_fix(would_fix, hidden), file=sys.stderr)
             return fix_status
     result = scan(files, settings, jobs=jobs, cache=cache(), show_progress=progress, skipped=skipped)
     report = result.report
@@ -325,10 +326,30 @@ def _run_check(args: argparse.Namespace) -> int:
             report.findings = new_findings(report.findings, load_baseline(args.baseline))
         except BaselineError as exc:
             return _error(str(exc))
+    _write_report(args, config, catalog, settings, report)
+    if result.internal_errors or fix_status == EXIT_ERROR:
+        return EXIT_ERROR
+    if (report.findings or report.parse_errors) and not args.exit_zero:
+        return EXIT_FINDINGS
+    return EXIT_OK
+
+
+def _would_fix(files: int, hidden: int) -> str:
+    message = f"Would fix {files} file{'s' if files != 1 else ''}"
+    if hidden:
+        message += f" ({hidden} hidden fix{'es' if hidden != 1 else ''} can be enabled with `--unsafe-fixes`)"
+    return message + "."
+
+
+def _write_report(
+    args: argparse.Namespace, config: Config, catalog: tuple[Any, ...], settings: Any, report: Any
+) -> None:
+    """Render the report in the requested format to --output or stdout, piece by piece."""
+    from maingrad.analyzer.reporters import OutputOptions, iter_render
 
     to_file = args.output is not None
     stream = sys.stdout
-    meta = tuple(r for r in catalog if r.id in selected)
+    meta = tuple(settings.rules)
     if config.warn_unused_ignores:
         from maingrad.analyzer.catalog import UNUSED_SUPPRESSION
 
@@ -354,17 +375,11 @@ def _run_check(args: argparse.Namespace) -> int:
         with atomic_writer(args.output) as handle:
             for batch in _batches(pieces):
                 handle.write(batch.encode("utf-8"))
+        _errors_to_stderr(report, config, args)
     else:
         for batch in _batches(pieces):
             stream.write(batch)
         stream.flush()
-    if to_file:
-        _errors_to_stderr(report, config, args)
-    if result.internal_errors or fix_status == EXIT_ERROR:
-        return EXIT_ERROR
-    if (report.findings or report.parse_errors) and not args.exit_zero:
-        return EXIT_FINDINGS
-    return EXIT_OK
 
 
 def _batches(pieces: Iterator[str], size: int = 1 << 16) -> Iterator[str]:

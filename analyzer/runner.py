@@ -292,10 +292,10 @@ def scan(
             outcomes[source.relpath] = cached
             hits += 1
             continue
-        text, failure = _decode(source.relpath, data)
+        text, undecodable = _decode(source.relpath, data)
         if text is None:
-            assert failure is not None
-            outcomes[source.relpath] = _error_outcome(failure)
+            assert undecodable is not None
+            outcomes[source.relpath] = _error_outcome(undecodable)
             continue
         ids = file_rules.for_path(source.relpath)
         if file_rules.needed(ids, text):

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from maingrad.analyzer.reporters.base import OutputOptions
+from maingrad.contracts.report import Report
 
 FORMATS = ("text", "json", "sarif", "github")
 
 
-def iter_render(fmt: str, report, options: OutputOptions) -> Iterator[str]:  # type: ignore[no-untyped-def]
+def iter_render(fmt: str, report: Report, options: OutputOptions) -> Iterator[str]:
     if fmt == "text":
         from maingrad.analyzer.reporters.text import iter_text
 
@@ -28,7 +29,7 @@ def iter_render(fmt: str, report, options: OutputOptions) -> Iterator[str]:  # t
     return iter((render(fmt, report, options),))
 
 
-def render(fmt: str, report, options: OutputOptions) -> str:  # type: ignore[no-untyped-def]
+def render(fmt: str, report: Report, options: OutputOptions) -> str:
     if fmt == "text":
         from maingrad.analyzer.reporters.text import render_text
 
