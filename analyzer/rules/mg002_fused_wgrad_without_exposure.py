@@ -9,6 +9,7 @@ import libcst as cst
 
 from maingrad.analyzer import syntax_index
 from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.facts import GEMMS, INPLACE_GEMMS, KERNELS
 from maingrad.analyzer.rules._common import (
     ABSENT,
     code_of,
@@ -28,16 +29,6 @@ from maingrad.analyzer.rules._common import (
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
 from maingrad.contracts.report import Severity
-
-# Megatron's fused_weight_gradient_mlp_cuda kernels: (input, grad_output, main_grad) accumulate in place.
-KERNELS = frozenset({"wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"})
-# GEMMs that write their product into `out=`.
-GEMMS = frozenset(
-    {"general_gemm", "te_general_gemm", "general_grouped_gemm", "gemm", "fp8_gemm", "matmul", "mm", "bmm"}
-    | {"addmm", "baddbmm", "addbmm"}
-)
-# In-place GEMM-accumulate methods called on the buffer itself: `W.main_grad.addmm_(a, b)`.
-INPLACE_GEMMS = frozenset({"addmm_", "baddbmm_", "addbmm_"})
 
 
 def _written_buffers(call: cst.Call) -> list[cst.BaseExpression]:

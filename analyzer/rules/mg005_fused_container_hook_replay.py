@@ -26,19 +26,16 @@ import libcst as cst
 
 from maingrad.analyzer import syntax_index, walk
 from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.facts import CONTAINER_NAMES, CONTAINERS, HOOKABLE_CONTAINER
+from maingrad.analyzer.facts import PRE_HOOKS_ATTR as _REPLAY_TEXT
 from maingrad.analyzer.names import dotted_name, names_match, package_of, resolve_relative
+from maingrad.analyzer.rules._common import first_param as _first_param
 from maingrad.analyzer.rules.base import Example, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex, pos
 from maingrad.contracts.report import Severity
 
-_CONTAINERS = (
-    "transformer_engine.pytorch.ops.Sequential",
-    "transformer_engine.pytorch.ops.fuser.OperationFuser",
-)
-_HOOKABLE = "transformer_engine.pytorch.ops.Sequential"  # OperationFuser is not a Module: no hooks
 _MEMBER_METHODS = {"append": 0, "insert": 1, "add_module": 1, "extend": 0}
 _PARAM_LIKE = re.compile(r"(weight|bias)", re.IGNORECASE)
-_REPLAY_TEXT = "_forward_pre_hooks"
 # Callees that receive a container without being able to register hooks on it.
 _INNOCUOUS = frozenset(
     {"len", "isinstance", "id", "type", "print", "repr", "str", "tuple", "list", "iter", "hasattr", "getattr"}
@@ -91,11 +88,6 @@ def _held(expr: cst.BaseExpression, containers: dict) -> list[str]:
     if isinstance(expr, (cst.Tuple, cst.List)):
         return [n for e in expr.elements for n in _held(e.value, containers)]
     return []
-
-
-def _first_param(func: cst.FunctionDef) -> str | None:
-    params = [*func.params.posonly_params, *func.params.params]
-    return params[0].name.value if params else None
 
 
 def _param_names(func: cst.FunctionDef) -> list[str]:
@@ -491,8 +483,8 @@ class _Analysis:
     def container_kind(self, value: cst.BaseExpression) -> str | None:
         if isinstance(value, cst.Call):
             name = self.ctx.names.qualified_name(value.func)
-            if name is not None and self.ctx.names.matches(value.func, *_CONTAINERS):
-                return "hookable" if self.ctx.names.matches(value.func, _HOOKABLE) else "fuser"
+            if name is not None and self.ctx.names.matches(value.func, *CONTAINERS):
+                return "hookable" if self.ctx.names.matches(value.func, HOOKABLE_CONTAINER) else "fuser"
         return None
 
     def scan(self, func: cst.FunctionDef) -> list[_Container]:
@@ -1059,7 +1051,7 @@ registered submodules, which the wrappers hook themselves.
 
     def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
         """Over-approximates `check`: a finding is a call inside a function whose callee `ctx.names` resolves
-        to one of `_CONTAINERS`. `NameResolver` is mirrored on `ast` with every binding kept (it keeps the
+        to one of `CONTAINERS`. `NameResolver` is mirrored on `ast` with every binding kept (it keeps the
         last one), so `_possible_names` is a superset of what it resolves. A callee written as a plain
         name is taken as a candidate without the inside-a-function test. The global-hook early return is
         mirrored exactly; adoption and replay only remove findings."""
@@ -1072,10 +1064,10 @@ registered submodules, which the wrappers hook themselves.
             in_function = isinstance(call.func, ast.Name) or any(
                 s.kind == "def" for s in index.enclosing(pos(call))
             )
-            if in_function and any(names_match(q, *_CONTAINERS) for q in _possible_names(call.func, aliases)):
+            if in_function and any(names_match(q, *CONTAINERS) for q in _possible_names(call.func, aliases)):
                 return True
         for name in index.called_names:
-            if any(names_match(q, *_CONTAINERS) for q in aliases.get(name, ())):
+            if any(names_match(q, *CONTAINERS) for q in aliases.get(name, ())):
                 return True
         return False
 
@@ -1089,7 +1081,7 @@ registered submodules, which the wrappers hook themselves.
             if not isinstance(call.func, (cst.Name, cst.Attribute)):
                 continue
             last = call.func.value if isinstance(call.func, cst.Name) else call.func.attr.value
-            if last not in ("Sequential", "OperationFuser") and last not in ctx.names.aliases:
+            if last not in CONTAINER_NAMES and last not in ctx.names.aliases:
                 continue
             analysis = analysis or _Analysis(ctx)
             if analysis.container_kind(call) is None:
