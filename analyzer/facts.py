@@ -24,11 +24,19 @@ BUILTIN_EXPOSURE_FUNCS = frozenset({"get_main_grad_from_param"})
 # Flags on a parameter ------------------------------------------------------------------------------------
 OVERWRITE_FLAG = "overwrite_main_grad"  # set by the wrapper: the next fused wgrad overwrites the buffer
 GRAD_ADDED_FLAG = "grad_added_to_main_grad"  # set by a backward: the wgrad already landed in main_grad
+# Functions that return a value read from the overwrite flag (TE's ops helper: `not overwrite_main_grad`).
+OVERWRITE_READERS = frozenset({"get_accumulate_flag_in_param"})
 # TE op-fuser ops' constructor flag, and the flag TE modules read.
 ACCUMULATE_FLAG = "accumulate_into_main_grad"
 FUSE_WGRAD_FLAG = "fuse_wgrad_accumulation"
 # TE helpers that set `grad_added_to_main_grad` and build the dummy wgrad for the parameters they get.
 FLAG_HELPERS = frozenset({"get_dummy_wgrads_for_params"})
+# TE's dummy wgrad for one parameter (what a backward returns once the wgrad is in main_grad).
+DUMMY_WGRAD_FUNCS = frozenset({"get_dummy_wgrad"})
+# GEMMs whose `accumulate` keyword chooses between accumulating into and overwriting `out` (default: overwrite).
+ACCUMULATE_GEMMS = frozenset({"general_gemm", "te_general_gemm", "general_grouped_gemm", "gemm", "fp8_gemm"})
+# Names of functions that compute and write weight gradients (autograd backward and its helpers).
+WGRAD_FUNCTION = re.compile(r"(^|_)backward(_|$)|wgrad", re.IGNORECASE)
 
 # Writes into the buffer ----------------------------------------------------------------------------------
 # Megatron's fused_weight_gradient_mlp_cuda kernels: (input, grad_output, main_grad) accumulate in place,

@@ -30,7 +30,10 @@ from maingrad.analyzer.facts import (
     BOOL_PREFIX,
     BUILTIN_EXPOSURE_FUNCS,
     FSDP_MARKERS,
+    KERNELS,
     MAIN_GRAD,
+    OVERWRITE_FLAG,
+    OVERWRITE_READERS,
     VIEW_METHODS,
     WRAPPER_CLASS,
     is_main_grad_name,
@@ -667,3 +670,139 @@ def out_pairs(node: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression
         dtype = found.get("out_dtype")
         return found["out"].value, dtype.value if dtype else None, dtype if dtype else node
     return None
+
+
+def reads_param_grad(expr: cst.BaseExpression) -> bool:
+    """`param.grad`, `to_local(param.grad)`, `param.grad.data`: the hook moving `.grad`, not a fused write."""
+    return any(isinstance(n, cst.Attribute) and n.attr.value == "grad" for n in walk.walk(expr))
+
+
+def written_buffer(node: cst.CSTNode) -> cst.BaseExpression | None:
+    """The expression a candidate wgrad write writes into, before deciding whether it is a main_grad: the
+    third argument of a `wgrad_gemm_accum_*` kernel, the receiver of `add_`/`copy_` (unless the value
+    moved is a parameter's `.grad`), the target of `+=`, an `out=` keyword or a `{"out": ...}` display."""
+    if isinstance(node, cst.AugAssign):
+        return node.target if isinstance(node.operator, cst.AddAssign) else None
+    if isinstance(node, cst.Call):
+        func = node.func
+        method = func.attr.value if isinstance(func, cst.Attribute) else None
+        if method in KERNELS:
+            args = positional(node)
+            return args[2].value if len(args) >= 3 else None
+        if method in ("add_", "copy_") and isinstance(func, cst.Attribute):
+            args = positional(node)
+            if args and not reads_param_grad(args[0].value):
+                return func.value
+            return None
+        if keyword(node, "out") is None:
+            return None
+    if isinstance(node, (cst.Call, cst.Dict)):
+        pair = out_pairs(node)
+        return pair[0] if pair is not None else None
+    return None
+
+
+# Values read from the overwrite flag ------------------------------------------------------------------
+class FlagDerivation:
+    """Which expressions of a file carry the value of `overwrite_main_grad` (the wrapper's per-parameter
+    "overwrite, don't accumulate" flag), across the file's functions.
+
+    Seeds: an `X.overwrite_main_grad` attribute, the string `"overwrite_main_grad"` (`getattr`), and calls
+    of `facts.OVERWRITE_READERS`. Then, to a fixpoint over every assignment of the file: a local name
+    (per function, visible in nested functions) or an attribute name (`bwd_args.origin_weight_overwrites`,
+    by its last part, file-wide: forward and backward usually share a context object) assigned a carrying
+    value carries it, and so does a call of a same-file function that returns one. Flow-insensitive on
+    purpose: a name assigned the flag anywhere in a function may hold it at any later read."""
+
+    def __init__(self, ctx: FileContext) -> None:
+        self.ctx = ctx
+        self.locals: set[tuple[int, str]] = set()  # (id of function or 0 for module, name)
+        self.attrs: set[str] = set()
+        self.readers: set[str] = set(OVERWRITE_READERS)
+        if OVERWRITE_FLAG not in ctx.source and not any(r in ctx.source for r in OVERWRITE_READERS):
+            return  # no seed anywhere: nothing carries the flag
+        assigns = [
+            n for n in ctx.nodes(cst.Assign, cst.AnnAssign, cst.AugAssign) if getattr(n, "value", None)
+        ]
+        functions = [f for f in ctx.nodes(cst.FunctionDef) if isinstance(f, cst.FunctionDef)]
+        for _ in range(8):
+            grew = False
+            for node in assigns:
+                owner = function_of(ctx, node)
+                if not self.carries(node.value, owner):  # type: ignore[attr-defined]
+                    continue
+                targets = (
+                    [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]  # type: ignore[attr-defined]
+                )
+                for target in targets:
+                    for leaf in _target_leaves(target):
+                        if isinstance(leaf, cst.Name):
+                            key = (id(owner) if owner is not None else 0, leaf.value)
+                            if key not in self.locals:
+                                self.locals.add(key)
+                                grew = True
+                        elif isinstance(leaf, cst.Attribute) and leaf.attr.value not in self.attrs:
+                            self.attrs.add(leaf.attr.value)
+                            grew = True
+            for func in functions:
+                if func.name.value in self.readers:
+                    continue
+                returns = [r for r in own_nodes(func.body, cst.Return) if isinstance(r, cst.Return)]
+                if any(r.value is not None and self.carries(r.value, func) for r in returns):
+                    self.readers.add(func.name.value)
+                    grew = True
+            if not grew:
+                break
+
+    def carries(self, expr: cst.CSTNode, func: cst.FunctionDef | None) -> bool:
+        """Whether evaluating `expr` (inside `func`) reads the overwrite flag."""
+        chain = (
+            [func, *(a for a in self.ctx.ancestors(func) if isinstance(a, cst.FunctionDef))] if func else []
+        )
+        scopes = {id(f) for f in chain} | {0}
+        for node in walk.walk(expr):
+            if isinstance(node, cst.Attribute):
+                if node.attr.value == OVERWRITE_FLAG or node.attr.value in self.attrs:
+                    return True
+            elif isinstance(node, cst.Name):
+                if any((scope, node.value) in self.locals for scope in scopes):
+                    return True
+            elif isinstance(node, cst.SimpleString):
+                if string_value(node) == OVERWRITE_FLAG:
+                    return True
+            elif isinstance(node, cst.Call):
+                name = (dotted_name(node.func) or "").rsplit(".", 1)[-1]
+                if name in self.readers:
+                    return True
+        return False
+
+    def guarded_by(self, node: cst.CSTNode, func: cst.FunctionDef | None) -> cst.BaseExpression | None:
+        """The innermost test that decides whether `node` runs (an enclosing if/elif/while/ternary test, or
+        the left operand of `a and node`/`a or node`) and that reads the flag, else None."""
+        child: cst.CSTNode = node
+        for parent in self.ctx.ancestors(node):
+            test: cst.BaseExpression | None = None
+            if (
+                isinstance(parent, (cst.If, cst.IfExp))
+                and (child is parent.body or child is parent.orelse)
+                or isinstance(parent, cst.While)
+                and child is parent.body
+            ):
+                test = parent.test
+            elif isinstance(parent, cst.BooleanOperation) and child is parent.right:
+                test = parent.left
+            if test is not None and self.carries(test, func):
+                return test
+            if parent is func:
+                break
+            child = parent
+        return None
+
+
+def _target_leaves(target: cst.CSTNode) -> list[cst.CSTNode]:
+    """Names and attributes an assignment target binds (`a`, `x.y`, both sides of `a, x.y = ...`)."""
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [leaf for e in target.elements for leaf in _target_leaves(e.value)]
+    if isinstance(target, cst.StarredElement):
+        return _target_leaves(target.value)
+    return [target] if isinstance(target, (cst.Name, cst.Attribute)) else []

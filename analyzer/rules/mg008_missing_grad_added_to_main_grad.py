@@ -29,7 +29,6 @@ from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.facts import (
     BACKWARD_NAME,
     FLAG_HELPERS,
-    KERNELS,
     WRAPPER_CLASS,
     is_wrapper_path,
 )
@@ -40,10 +39,8 @@ from maingrad.analyzer.rules._common import (
     code_of,
     in_wrapper,
     is_simple_chain,
-    keyword,
-    out_pairs,
-    positional,
     string_value,
+    written_buffer,
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex, gate_aliases, pos, spine_is_main_grad
@@ -245,7 +242,7 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
 
     def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
         """Over-approximates `check`: the "backward" text test and the wrapper path are mirrored exactly;
-        then some candidate write of `_written_buffer` (kernel argument, add_/copy_ receiver, `out=`
+        then some candidate write of `_common.written_buffer` (kernel argument, add_/copy_ receiver, `out=`
         keyword or `{"out": ...}` value, `+=` target) that may be a main_grad buffer
         (`spine_is_main_grad`), inside a function named like a backward and outside every class named like
         a wrapper (line spans, exact for defs and classes). Flag awareness only removes findings."""
@@ -273,7 +270,7 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
         reported: set[tuple[int, str]] = set()
         scopes: dict[cst.FunctionDef | None, MainGradScope] = {}
         for node in ctx.nodes(cst.Call, cst.Dict, cst.AugAssign):
-            target = self._written_buffer(node)
+            target = written_buffer(node)
             if target is None:
                 continue
             unit = self._backward_of(ctx, node)
@@ -306,29 +303,6 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
                 ),
                 fix=self._fix(ctx, node, owner),
             )
-
-    @staticmethod
-    def _written_buffer(node: cst.CSTNode) -> cst.BaseExpression | None:
-        """The expression a candidate write writes into (before deciding whether it is a main_grad)."""
-        if isinstance(node, cst.AugAssign):
-            return node.target if isinstance(node.operator, cst.AddAssign) else None
-        if isinstance(node, cst.Call):
-            func = node.func
-            method = func.attr.value if isinstance(func, cst.Attribute) else None
-            if method in KERNELS:
-                args = positional(node)
-                return args[2].value if len(args) >= 3 else None
-            if method in ("add_", "copy_") and isinstance(func, cst.Attribute):
-                args = positional(node)
-                if args and not _reads_param_grad(args[0].value):
-                    return func.value
-                return None
-            if keyword(node, "out") is None:
-                return None
-        if isinstance(node, (cst.Call, cst.Dict)):
-            pair = out_pairs(node)
-            return pair[0] if pair is not None else None
-        return None
 
     @staticmethod
     def _backward_of(ctx: FileContext, node: cst.CSTNode) -> cst.FunctionDef | None:
@@ -386,8 +360,3 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
             "set grad_added_to_main_grad after the fused write",
             safe=False,
         )
-
-
-def _reads_param_grad(expr: cst.BaseExpression) -> bool:
-    """`param.grad`, `to_local(param.grad)`, `param.grad.data`: the hook moving `.grad`, not a fused write."""
-    return any(isinstance(n, cst.Attribute) and n.attr.value == "grad" for n in walk.walk(expr))
