@@ -619,9 +619,7 @@ class _Analysis:
             chains = [dotted_name(e.value) for e in expr.elements]
             if all(chains):
                 return {(self._normalise(c or "", scope), False) for c in chains}
-        if isinstance(expr, cst.Name):
-            return set()  # a loop over a local list: the loop that filled it says which modules
-        return {("*", True)}
+        return {("*", True)}  # a local list, an argument: which modules it holds is not followed
 
     def handles(self, func: cst.FunctionDef, name: str, depth: int = 0) -> set[str]:
         """Texts that denote the container bound to `name` in `func` where it is run: the name itself,
@@ -1075,6 +1073,12 @@ decision. For precision, whatever the analyzer cannot follow counts as a replay:
 from other files, containers handed to such helpers or returned to callers outside the file, and files that
 install global `register_module_forward_pre_hook`s. Containers assigned straight to a module attribute are
 registered submodules, which the wrappers hook themselves.
+
+## In real code
+megatron-core 0.18.2, 0.19.2 and Megatron-LM main `TEFusedMLPWithGroupedLinear._make_fused_impl`: `norm_seq`
+runs `linear_fc1.layer_norm_weight` before `fused_impl`, whose hook replays `linear_fc1`'s hooks (Megatron DDP's
+param all-gather wait under `overlap_param_gather`), so the norm may read a weight whose all-gather has not
+finished. megatron-bridge's `lora_branch` is covered by `main_branch`'s replay and not reported.
 """
 
     VALID = [

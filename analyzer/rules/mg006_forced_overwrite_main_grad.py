@@ -155,6 +155,11 @@ for param in linear.parameters(recurse=False):
 or derive it from the strategy (`param.overwrite_main_grad = strategy in ("optim_grads",
 "optim_grads_params")`). The (unsafe) fix deletes the assignment, together with a guard or loop that would
 be left empty.
+
+## In real code
+megatron-core 0.19.2 (and Megatron-LM main) `TEGroupedMLP._ensure_main_grad` sets `overwrite_main_grad = True`
+on every expert weight before the fused forward; measured on an H200, with two micro-batches and unsharded
+gradients the expert gradients are 0.71 (relative) away from autograd's own accumulation.
 """
 
     VALID = [

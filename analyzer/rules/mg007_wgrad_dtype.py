@@ -315,6 +315,11 @@ else:
 Fixes: `out_dtype` becomes `<out>.dtype` (safe); the kernel call is wrapped in that dtype dispatch, a
 `torch.matmul(..., out=buf)` statement becomes `buf.copy_(torch.matmul(...))`, and a downcast before
 `add_`/`copy_` is dropped (unsafe: they change control flow, memory or numerics).
+
+## In real code
+megatron-core 0.16.1, 0.18.2 and 0.19.2 `LinearWithGradAccumulationAndAsyncCommunication.backward`, Megatron-FSDP
+branch without TE: `torch.matmul(grad_output.t(), total_input, out=weight.main_grad)` with bf16 inputs and an
+fp32 buffer raises. Megatron-LM main replaced it (`_wgrad_gemm` computes in the inputs' dtype and copies).
 """
 
     VALID = [

@@ -104,6 +104,11 @@ def backward(ctx, grad_output):
 ```
 The (unsafe) fix inserts the guarded assignment after the write; return a dummy gradient for the weight
 (TE's `get_dummy_wgrad`) rather than the real one, as megatron-core does.
+
+## In real code
+No real instance is known: it reported nothing on the 14 code bases of `docs/real-world.md` (megatron-core
+0.16.1/0.18.2/0.19.2, Transformer Engine 2.20.2, megatron-bridge, NeMo, ModelOpt, nanotron, DeepSpeed,
+ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards the contract against new code.
 """
 
     VALID = [

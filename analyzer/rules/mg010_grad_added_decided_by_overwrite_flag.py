@@ -13,7 +13,8 @@ What is judged: every assignment `W.grad_added_to_main_grad = <not False>` and e
 helpers (`facts.FLAG_HELPERS`, `facts.DUMMY_WGRAD_FUNCS`), against the tests that decide whether it runs
 (enclosing if/elif/while/ternary tests, `a and ...` operands) in its function. A test that reads the
 overwrite flag (`rules._common.FlagDerivation`: directly, through TE's `get_accumulate_flag_in_param`, or
-through local names, context attributes and same-file functions carrying it) is the finding. TE 2.20.2's
+through local names, context attributes and same-file functions carrying it) is the finding. The
+data-parallel wrapper's own code (path or class, as for MG008) is not judged. TE 2.20.2's
 `ops/basic/basic_linear.py` and the fused ops built on it reuse one local, `accumulate_into_main_grad`, for
 "fused into main_grad" and then for "accumulate, not overwrite"; its `GroupedLinear` op and `te.Linear` keep
 them apart and are clean.
@@ -21,10 +22,12 @@ them apart and are clean.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 
 import libcst as cst
 
+from maingrad.analyzer import syntax_index
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.facts import (
     DUMMY_WGRAD_FUNCS,
@@ -32,9 +35,16 @@ from maingrad.analyzer.facts import (
     GRAD_ADDED_FLAG,
     OVERWRITE_FLAG,
     OVERWRITE_READERS,
+    is_wrapper_path,
 )
 from maingrad.analyzer.names import dotted_name
-from maingrad.analyzer.rules._common import FlagDerivation, code_of, function_of, is_false_constant
+from maingrad.analyzer.rules._common import (
+    FlagDerivation,
+    code_of,
+    function_of,
+    in_wrapper,
+    is_false_constant,
+)
 from maingrad.analyzer.rules.base import Example, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
 from maingrad.contracts.report import Severity
@@ -209,18 +219,28 @@ with gradient accumulation fusion reaches the optimizer with 2.0x the true gradi
     ]
 
     def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
-        """Over-approximates `check`: a site needs the flag's name or a helper's name in the text, and a
-        test can only carry the overwrite flag when the file names it or one of its readers (the seeds of
-        `FlagDerivation`); the needles check the same pairs."""
+        """Over-approximates `check`: outside the wrapper's path (exact), a test can only carry the overwrite
+        flag when the file names it or one of its readers (the seeds of `FlagDerivation`), and a site is an
+        attribute store `X.grad_added_to_main_grad = ...` or a call whose last name is a helper's."""
         source = index.source
-        has_site = GRAD_ADDED_FLAG in source or any(name in source for name in _SITES)
-        return has_site and any(seed in source for seed in _SEEDS)
+        if is_wrapper_path(index.path) or not any(seed in source for seed in _SEEDS):
+            return False
+        for node in ast.walk(index.tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == GRAD_ADDED_FLAG
+                and isinstance(node.ctx, ast.Store)
+            ):
+                return True
+            if isinstance(node, ast.Call) and syntax_index.last_name(node) in _SITES:
+                return True
+        return False
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         flags: FlagDerivation | None = None
         for node in ctx.nodes(cst.Assign, cst.Call):
             kind = _site_kind(node)
-            if kind is None:
+            if kind is None or in_wrapper(ctx, node):
                 continue
             flags = flags or FlagDerivation(ctx)
             func = function_of(ctx, node)

@@ -18,11 +18,12 @@ that reads `L` without reading any `_forward_pre_hooks` itself, registered with
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 
 import libcst as cst
 
-from maingrad.analyzer import walk
+from maingrad.analyzer import syntax_index, walk
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.facts import PRE_HOOKS_ATTR
 from maingrad.analyzer.rules._common import code_of, own_nodes
@@ -183,9 +184,24 @@ megatron-core's `TEFusedMLP._register_hooks_on_fused_impl` (0.16.1 to Megatron-L
     ]
 
     def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
-        """The needle asks for `_forward_pre_hooks`; a snapshot also needs a def nested in another def (the hook)."""
-        defs = [s for s in index.scopes if s.kind == "def"]
-        return any(a is not b and a.contains(b.start) and b.end <= a.end for a in defs for b in defs)
+        """Over-approximates `check`: some def reads `X._forward_pre_hooks` outside its nested defs (the
+        snapshot) and has a def nested in it (the hook); lambdas and classes count as nesting too."""
+        for func in ast.walk(index.tree):
+            if not isinstance(func, syntax_index.FUNCTION_NODES):
+                continue
+            reads = nested = False
+            stack = list(ast.iter_child_nodes(func))
+            while stack and not (reads and nested):
+                node = stack.pop()
+                if isinstance(node, (*syntax_index.FUNCTION_NODES, ast.Lambda, ast.ClassDef)):
+                    nested = nested or isinstance(node, syntax_index.FUNCTION_NODES)
+                    continue
+                if isinstance(node, ast.Attribute) and node.attr == PRE_HOOKS_ATTR:
+                    reads = True
+                stack.extend(ast.iter_child_nodes(node))
+            if reads and nested:
+                return True
+        return False
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         for func in ctx.nodes(cst.FunctionDef):
