@@ -99,9 +99,10 @@ def test_real_code_same_report_with_and_without_gate(
     assert gated["findings"] == plain["findings"]  # rule, path, positions, message, fingerprint, fix, snippet
     assert gated["parse_errors"] == plain["parse_errors"]
     assert gated["files_scanned"] == plain["files_scanned"]
-    # The gate skips most of what the needles let through (plain: everything that passed the needles).
+    # The gate skips part of what the needles let through (plain: everything that passed the needles); in TE
+    # most needle files are real candidates of MG007-MG010 (its wgrad code), so the share skipped is smaller.
     assert plain["files_parsed"] >= 20
-    assert gated["files_parsed"] <= _BEDS[bed] < plain["files_parsed"] / 2
+    assert gated["files_parsed"] <= _BEDS[bed] < plain["files_parsed"]
     if bed == "megatron-core-0.19.2":
         assert len(plain["findings"]) >= 7
         pooled = _check(root, tmp_path, capsys, "--warn-unused-ignores", "--jobs", "2")
