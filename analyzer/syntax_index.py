@@ -526,7 +526,7 @@ class _Builder:
             if not spine.empty:
                 self.index.writes.append(Write("dict_out", node, spine, out_dtype=out_dtype))
 
-    def _call(self, node: ast.Call) -> None:
+    def _call(self, node: ast.Call) -> None:  # noqa: C901 - one pass per call on the gate's hot path
         index = self.index
         func = node.func
         func_kind = type(func)

@@ -762,7 +762,7 @@ class _Analysis:
                 return "hookable" if self.ctx.names.matches(value.func, HOOKABLE_CONTAINER) else "fuser"
         return None
 
-    def scan(self, func: cst.FunctionDef) -> list[_Container]:
+    def scan(self, func: cst.FunctionDef) -> list[_Container]:  # noqa: C901 - one source-order pass
         """Containers built in `func` that hold ops adopting foreign parameters and lack a replay hook."""
         ids: dict[str, int] = {}
         counter = 0
