@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import replace
+from json.encoder import encode_basestring_ascii
 
 from maingrad.analyzer.reporters.base import OutputOptions
 from maingrad.contracts.report import Report
@@ -27,10 +28,33 @@ def iter_json(report: Report, options: OutputOptions) -> Iterator[str]:
         yield "[\n"
         last = len(report.findings) - 1
         for index, finding in enumerate(report.findings):
-            text = json.dumps(finding.to_dict(), indent=2)
-            yield _INDENT + text.replace("\n", "\n" + _INDENT) + (",\n" if index < last else "\n")
+            yield _flat_object(finding.to_dict()) + (",\n" if index < last else "\n")
         yield "  ]"
     yield after + "\n"
+
+
+def _scalar(value: object) -> str:
+    """A JSON scalar exactly as `json.dumps` writes it (ensure_ascii), without its per-call overhead."""
+    if isinstance(value, str):
+        return encode_basestring_ascii(value)
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    raise TypeError(f"not a JSON scalar: {value!r}")
+
+
+def _flat_object(data: dict[str, object]) -> str:
+    """`json.dumps(data, indent=2)` of a dict of scalars, indented as an element of the findings list.
+    With `indent`, json.dumps runs its pure-Python encoder: at 10^5 findings that alone took longer than
+    the analysis; this writes the same bytes with the C string encoder."""
+    inner = _INDENT + "  "
+    fields = f",\n{inner}".join(f"{encode_basestring_ascii(k)}: {_scalar(v)}" for k, v in data.items())
+    return f"{_INDENT}{{\n{inner}{fields}\n{_INDENT}}}"
 
 
 def _split(head: dict) -> tuple[str, str]:
