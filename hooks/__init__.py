@@ -29,6 +29,9 @@ _EXPORTS: dict[str, str] = {
     "FIELDS": "maingrad.contracts.records",
     "SCHEMA_VERSION": "maingrad.contracts.records",
     "validate_record": "maingrad.contracts.records",
+    "preflight": "preflight",  # the module, callable as the function (see preflight.py)
+    "PreflightResult": "preflight",
+    "PreflightFailed": "preflight",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -39,7 +42,10 @@ def __getattr__(name: str) -> Any:
     if module_name is None:
         raise AttributeError(f"module 'maingrad.hooks' has no attribute {name!r}")
     module = importlib.import_module(module_name if "." in module_name else f"{__name__}.{module_name}")
-    value = getattr(module, "validate" if name == "validate_record" else name)
+    if name == "preflight":
+        value: Any = module
+    else:
+        value = getattr(module, "validate" if name == "validate_record" else name)
     globals()[name] = value
     return value
 
