@@ -4,7 +4,9 @@ megatron-core's fused TEGroupedMLP layer of benchmarks/gpu/moe_overhead.py (64 e
 4096 tokens per micro-batch, 2 micro-batches, bf16, Megatron-FSDP, one GPU), built by tests/gpu/mcore_hooks.py.
 Per strategy (STRATEGIES, default no_shard and optim_grads_params):
 - one training step (zero_grad_buffer -> 2 x forward/backward -> finish_grad_sync): the median wall time of STEPS
-  steps after WARMUP, each ended by a device sync, and its peak memory above the memory held before it;
+  steps after WARMUP, each ended by a device sync, and its peak memory above the memory held after
+  zero_grad_buffer() (Megatron-FSDP's optimizer-side fp32 gradients are freed there and made again by
+  finish_grad_sync, in a step as in preflight);
 - preflight (default settings, loss_fn given): the wall time of REPEATS calls after one warm-up call, and its
   peak memory above the same base;
 - reported: preflight time / step time (target <= 4), (preflight peak - step peak) / the bytes of the gradients
@@ -106,6 +108,7 @@ def measure(strategy: str) -> None:
     gbytes = grad_bytes(model)
     times, peaks = [], []
     for _ in range(STEPS):
+        model.zero_grad_buffer()  # the base holds no gradient the optimizer reads (as before preflight)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -147,7 +150,8 @@ def measure(strategy: str) -> None:
         f"{max(times) * 1e3:.1f}); preflight {pf * 1e3:.1f} ms (median of {REPEATS}: "
         f"{', '.join(f'{t * 1e3:.1f}' for t in pf_times)}) = {pf / step:.2f} steps; "
         f"{result.cost['microbatch_passes']} passes + {result.cost['forward_passes']} forwards "
-        f"({result.cost['fd_groups']} groups); status {result.status}"
+        f"({result.cost['fd_groups']} groups); status {result.status}; seconds by part "
+        f"{result.cost['seconds_by_part']}"
     )
     say(
         f"MEMORY {strategy}: gradients {gbytes / 2**20:.1f} MiB; step peak +{step_peak / 2**20:.1f} MiB; "
