@@ -14,7 +14,7 @@ sync (`preflight_wrappers.py`).
 Two independent laws, per parameter:
 - Linearity of accumulation, on the optimizer's gradient G: runs "A", "B" and "A then B", each from zeroed
   buffers and the same random state. G(A,B) = G(A) + G(B) passes; G(A,B) = G(B) is `grad_overwritten`;
-  G(A,B) = 0 (or G(A) alone) `grad_lost`. Where that fails, "A" runs again: a repeat that differs is
+  G(A,B) = 0 (or G(A) alone) `grad_lost`. Where any verdict fails, "A" runs again: a repeat that differs is
   `grad_nondeterministic` (and nothing else is claimed for that parameter). With one batch, "A twice" =
   2 G(A) instead.
 - Agreement with an independent estimate: a constant error (TE's `BasicLinear` returning main_grad as the
@@ -836,12 +836,11 @@ def _execute(check: _Preflight) -> PreflightResult:
         check.run_rest()
         lap("runs")
         tolerances = _classify(check, groups)  # sync 2
-        if any(not r.finite or r.anomalies for r in check.results if r.name):
-            suspects = [i for i, r in enumerate(check.results) if _linearity_failed(r)]
-            if suspects:
-                check.repeat()
-                lap("runs")
-                _judge_repeat(check, suspects)  # sync 3, only when something failed
+        suspects = [i for i, r in enumerate(check.results) if r.anomalies and r.finite]
+        if suspects:
+            check.repeat()
+            lap("runs")
+            _judge_repeat(check, suspects)  # sync 3, only when something failed
         lap("comparison")
     except Exception as exc:  # noqa: BLE001 - the model's failure is the result, not a crash of the caller
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
@@ -886,14 +885,8 @@ def _execute(check: _Preflight) -> PreflightResult:
     )
 
 
-def _linearity_failed(r: ParamResult) -> bool:
-    return not r.finite or any(
-        a in ("grad_overwritten", "grad_lost", "grad_inconsistent") for a in r.anomalies
-    )
-
-
 def _judge_repeat(check: _Preflight, suspects: list[int]) -> None:
-    """Where accumulation failed: does a repeat of A differ from the first A by more than the tolerance?"""
+    """Where a verdict failed: does a repeat of A differ from the first A by more than the tolerance?"""
     st = check.st
     values: list[torch.Tensor] = []
     rows = []
@@ -908,8 +901,8 @@ def _judge_repeat(check: _Preflight, suspects: list[int]) -> None:
         r = check.results[i]
         rep2, sa2 = max(host[2 * j], 0.0), max(host[2 * j + 1], 0.0)
         r.rel_repeat = math.sqrt(rep2 / sa2) if sa2 > 0 else (0.0 if rep2 == 0 else math.inf)
-        if r.finite and r.rel_repeat > r.tolerance / 2:
-            # the first A and its repeat differ: the accumulation verdicts rest on noise, not on a bug
+        if r.rel_repeat > r.tolerance / 2:
+            # the first A and its repeat differ: the verdicts rest on noise, not on a bug
             r.anomalies = ["grad_nondeterministic"]  # the finite differences rest on the same noise
             r.notes = [
                 f"micro-batch A repeated from the same state and random state differs by {r.rel_repeat:.3g}"
