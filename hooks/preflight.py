@@ -132,6 +132,8 @@ class FdGroup:
     floor: float | None = None  # below this a loss difference is round-off
     scale: float | None = None
     verdict: str = "not judged"
+    method: str = "-"  # "forward" (L(w+d) - L(w)) or "central" ((L(w+d) - L(w-d)) / 2)
+    unit: float = 0.0  # unit round-off of the group's compute dtype
 
 
 @dataclass
@@ -371,14 +373,6 @@ def _fused_kinds(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def _subset(flat: torch.Tensor, name: str) -> torch.Tensor:
-    """Up to SUBSET evenly spaced elements (a strided view: no index tensor), copied."""
-    n = flat.numel()
-    stride = max(1, n // SUBSET)
-    offset = (sum(name.encode()) % stride) if stride > 1 else 0
-    return flat[offset::stride][:SUBSET].detach().float().clone()
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1)
 
@@ -388,15 +382,13 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
 
 
 def _stack_to_host(values: list[torch.Tensor]) -> list[float]:
-    """One device->host transfer per device for a list of 0-dim tensors."""
-    if not values:
-        return []
-    by_device: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(values):
-        by_device.setdefault(v.device, []).append(i)
+    """One device->host transfer per device and dtype for a list of 0-dim tensors."""
     out = [0.0] * len(values)
-    for indexes in by_device.values():
-        host = torch.stack([values[i].double() for i in indexes]).cpu().tolist()
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault((v.device, v.dtype), []).append(i)
+    for indexes in groups.values():
+        host = torch.stack([values[i].reshape(()) for i in indexes]).double().cpu().tolist()
         for i, v in zip(indexes, host, strict=True):
             out[i] = float(v)
     return out
@@ -425,6 +417,94 @@ class _Dist:
             values = values.clone()
             torch.distributed.all_reduce(values)
         return values
+
+
+class _Stats:
+    """Device-side numbers per key and parameter, sent to the host in one transfer per device: the one
+    comparison at the end needs no per-parameter round trip."""
+
+    def __init__(self, n: int, dist: _Dist) -> None:
+        self.n = n
+        self.dist = dist
+        self.chunks: list[tuple[str, list[int], torch.Tensor, bool]] = []
+
+    def add(self, key: str, indices: Sequence[int], values: torch.Tensor, *, shard_sum: bool = True) -> None:
+        """values[j] belongs to parameter indices[j]; shard_sum: add it up across data-parallel shards."""
+        if len(indices):
+            self.chunks.append((key, list(indices), values.detach().reshape(-1).float(), shard_sum))
+
+    def host(self, keys: Sequence[str] | None = None) -> dict[str, list[float | None]]:
+        """The numbers under `keys` (default: all), in one transfer per device; they leave the device side."""
+        out: dict[str, list[float | None]] = {}
+        by_device: dict[torch.device, list[tuple[str, list[int], torch.Tensor, bool]]] = {}
+        taken = [c for c in self.chunks if keys is None or c[0] in keys]
+        self.chunks = [c for c in self.chunks if not (keys is None or c[0] in keys)]
+        for chunk in taken:
+            out.setdefault(chunk[0], [None] * self.n)
+            by_device.setdefault(chunk[2].device, []).append(chunk)
+        for chunks in by_device.values():
+            summed = torch.cat([c[2] for c in chunks if c[3]] or [torch.zeros(0, device=chunks[0][2].device)])
+            summed = self.dist.sum_stats(summed)
+            whole = torch.cat([c[2] for c in chunks if not c[3]] or [torch.zeros(0, device=summed.device)])
+            values = torch.cat([summed, whole]).double().cpu().tolist()
+            pos = 0
+            for key, indices, _, _ in [c for c in chunks if c[3]] + [c for c in chunks if not c[3]]:
+                column = out[key]
+                for i in indices:
+                    column[i] = values[pos]
+                    pos += 1
+        return out
+
+
+class _Subsets:
+    """Up to SUBSET evenly spaced elements of each parameter's gradient, as the rows of one matrix per device
+    and run: the decomposition G(A,B) ~ a G(A) + b G(B) and the repeat of A become a few batched reductions."""
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.rows: dict[torch.device, list[int]] = {}
+        for i, e in enumerate(entries):
+            self.rows.setdefault(e.opt_param.device, []).append(i)
+        self.row_of = {i: r for rows in self.rows.values() for r, i in enumerate(rows)}
+        self.names = [e.name for e in entries]
+        self.mats: dict[str, dict[torch.device, torch.Tensor]] = {}
+
+    def take(self, key: str, flats: list[torch.Tensor | None]) -> None:
+        mats = self.mats[key] = {d: torch.zeros(len(r), SUBSET, device=d) for d, r in self.rows.items()}
+        for i, f in enumerate(flats):
+            if f is None:
+                continue
+            n = f.numel()
+            stride = max(1, n // SUBSET)
+            offset = (sum(self.names[i].encode()) % stride) if stride > 1 else 0
+            view = f[offset::stride][:SUBSET]
+            mats[f.device][self.row_of[i], : view.numel()].copy_(view)
+
+    def dots(
+        self, stats: _Stats, pairs: Sequence[tuple[str, str, str]], only: Sequence[int] | None = None
+    ) -> None:
+        """stats[name] = <key1 row, key2 row> for every parameter (or those in `only`)."""
+        for device, rows in self.rows.items():
+            select = rows if only is None else [i for i in rows if i in set(only)]
+            if not select:
+                continue
+            index = torch.tensor([self.row_of[i] for i in select], device=device)
+            for name, k1, k2 in pairs:
+                a = self.mats[k1][device].index_select(0, index)
+                b = a if k2 == k1 else self.mats[k2][device].index_select(0, index)
+                values = ((a - b) ** 2).sum(1) if name == "rep2" else (a * b).sum(1)
+                stats.add(name, select, values)
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 norms of many tensors in one multi-tensor launch (stacked)."""
+    if not tensors:
+        return torch.zeros(0)
+    try:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    except (RuntimeError, TypeError):  # mixed devices/dtypes on an old torch
+        norms = [_norm(t) for t in tensors]
+    device = norms[0].device
+    return torch.stack([n.to(device) for n in norms])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -465,16 +545,15 @@ class _Preflight:
         self.entries: list[Entry] = entries
         self.passes = 0
         self.forwards = 0
+        self.syncs = 0
         self.timings: dict[str, float] = {}
         self.dist = _Dist(sharded=adapter.sharded)
-        self.fd_values: list[tuple[FdGroup, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
         kinds = _fused_kinds(model)
         self.results = [self._result(e, kinds.get(e.name)) for e in entries]
-        n = len(entries)
-        # device-side numbers, one slot per parameter (None: no gradient there)
-        self.st: dict[str, list[Any]] = {
-            k: [None] * n for k in ("nA2", "nB2", "nAB2", "d2", "dl2", "subA", "subB", "subAB", "subR")
-        }
+        self.stats = _Stats(len(entries), self.dist)
+        self.subsets = _Subsets(entries)
+        self.present: dict[str, set[int]] = {}
+        self.copy: list[torch.Tensor | None] = [None] * len(entries)
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{_leaf_pattern(e.leaf)}"
@@ -497,10 +576,15 @@ class _Preflight:
             numel=int(e.opt_param.numel()),
         )
 
+    def host(self, keys: Sequence[str] | None = None) -> dict[str, list[float | None]]:
+        self.syncs += 1
+        return self.stats.host(keys)
+
     # -- running micro-batches ---------------------------------------------------------------------------------
-    def _run(self, batches: Sequence[Any]) -> list[torch.Tensor | None]:
+    def _run(self, key: str, batches: Sequence[Any]) -> list[torch.Tensor | None]:
         """Zero, run the micro-batches from the saved random state each, finish the sync; the flattened
-        gradients the optimizer would read (the wrapper's own tensors: never kept past the next run)."""
+        gradients the optimizer would read (the wrapper's own tensors: never kept past the next run), their
+        squared norms and subset recorded under `key`."""
         self.adapter.prepare()
         self.adapter.zero()
         for batch in batches:
@@ -508,11 +592,16 @@ class _Preflight:
             self.run_microbatch(self.model, batch)
             self.passes += 1
         self.adapter.finish()
-        out: list[torch.Tensor | None] = []
+        flats: list[torch.Tensor | None] = []
         for e in self.entries:
             g = self.adapter.grad(e)
-            out.append(None if g is None else _flat(g))
-        return out
+            flats.append(None if g is None else _flat(g))
+        present = [i for i, f in enumerate(flats) if f is not None]
+        self.present[key] = set(present)
+        if present:
+            self.stats.add(f"n{key}2", present, _norms([flats[i] for i in present]) ** 2)
+        self.subsets.take(key, flats)
+        return flats
 
     def _loss(self, batch: Any) -> torch.Tensor:
         self.rng.apply()
@@ -534,169 +623,152 @@ class _Preflight:
             loss = torch.tensor(float(loss))
         return self.dist.mean_loss(loss)
 
-    def _subsets(self, key: str, flats: list[torch.Tensor | None]) -> None:
-        for i, f in enumerate(flats):
-            if f is not None:
-                self.st[key][i] = _subset(f, self.entries[i].name)
-
-    @staticmethod
-    def _present(flats: list[torch.Tensor | None]) -> list[int]:
-        return [i for i, f in enumerate(flats) if f is not None]
-
     # -- the laws ---------------------------------------------------------------------------------------------
     def run_a(self) -> list[torch.Tensor | None]:
-        """Micro-batch A alone: a copy of G(A) (the one copy of the gradients preflight holds), its norms and
-        subset; returns the wrapper's live G(A), the finite differences' directions."""
-        flats = self._run([self.batches[0]])
-        idx = self._present(flats)
-        live = [flats[i] for i in idx]
-        for i, norm in zip(idx, _norms(live), strict=True):
-            self.st["nA2"][i] = norm * norm
-            self.results[i].dtype = str(flats[i].dtype)
-        self.copy: list[torch.Tensor | None] = [None] * len(flats)
-        self._subsets("subA", flats)
+        """Micro-batch A alone; returns the wrapper's live G(A), the finite differences' directions."""
+        flats = self._run("A", [self.batches[0]])
+        for i, f in enumerate(flats):
+            if f is not None:
+                self.results[i].dtype = str(f.dtype)
         return flats
 
     def keep_copy(self, flats: list[torch.Tensor | None]) -> None:
         """The one copy of the gradients preflight holds: G(A), then G(A) + G(B). Taken after the finite
         differences (which perturb weights while the wrapper still holds G(A)), so the two never coexist."""
-        idx = self._present(flats)
+        idx = [i for i, f in enumerate(flats) if f is not None]
         live = [flats[i] for i in idx]
         for i, c in zip(idx, torch._foreach_mul(live, 1.0) if live else [], strict=True):
             self.copy[i] = c
 
     def run_rest(self) -> None:
         """B alone, then A and B together (one batch: A twice), each compared with the copy in place."""
-        st, copy = self.st, self.copy
+        copy = self.copy
         b = self.batches[1] if len(self.batches) > 1 else None
         if b is not None:
-            flats = self._run([b])
-            idx = self._present(flats)
-            for i, norm in zip(idx, _norms([flats[i] for i in idx]), strict=True):
-                st["nB2"][i] = norm * norm
-            self._subsets("subB", flats)
-            for i in idx:
-                if copy[i] is None:
-                    copy[i] = flats[i].clone()
-                else:
-                    copy[i].add_(flats[i])  # G(A) + G(B)
+            flats = self._run("B", [b])
+            fresh = [i for i in self.present["B"] if copy[i] is None]
+            for i in fresh:
+                copy[i] = flats[i].clone()
+            both = [i for i in self.present["B"] if i not in fresh]
+            if both:
+                torch._foreach_add_([copy[i] for i in both], [flats[i] for i in both])  # G(A) + G(B)
             del flats
-            flats = self._run([self.batches[0], b])
+            flats = self._run("AB", [self.batches[0], b])
         else:
-            flats = self._run([self.batches[0], self.batches[0]])
-        idx = self._present(flats)
-        for i, norm in zip(idx, _norms([flats[i] for i in idx]), strict=True):
-            st["nAB2"][i] = norm * norm
-        self._subsets("subAB", flats)
-        both = [i for i in idx if copy[i] is not None]
+            flats = self._run("AB", [self.batches[0], self.batches[0]])
+        both = [i for i in self.present["AB"] if copy[i] is not None]
         cs, fs = [copy[i] for i in both], [flats[i] for i in both]
         if both and b is not None:
             torch._foreach_sub_(cs, fs)  # G(A) + G(B) - G(A,B), in place: no second copy
-            for i, norm in zip(both, _norms(cs), strict=True):
-                st["d2"][i] = norm * norm
+            self.stats.add("d2", both, _norms(cs) ** 2)
         elif both:
             torch._foreach_mul_(cs, 2.0)
             torch._foreach_sub_(cs, fs)  # 2 G(A) - G(A,A)
-            for i, norm in zip(both, _norms(cs), strict=True):
-                st["d2"][i] = norm * norm
+            self.stats.add("d2", both, _norms(cs) ** 2)
             torch._foreach_add_(cs, fs)
             torch._foreach_mul_(cs, 0.5)
             torch._foreach_sub_(cs, fs)  # G(A) - G(A,A)
-            for i, norm in zip(both, _norms(cs), strict=True):
-                st["dl2"][i] = norm * norm
-        for i, c in enumerate(copy):  # a gradient that vanished in the last run counts as zero there
-            if c is not None and flats[i] is None:
-                st["nAB2"][i] = torch.zeros((), device=c.device)
-                norm = _norm(c)
-                st["d2"][i] = norm * norm * (1 if b is not None else 4)
-                st["dl2"][i] = norm * norm
-        self.copy = []
+            self.stats.add("dl2", both, _norms(cs) ** 2)
+        gone = [i for i, c in enumerate(copy) if c is not None and i not in self.present["AB"]]
+        if gone:  # a gradient that vanished in the last run counts as zero there
+            norms2 = _norms([copy[i] for i in gone]) ** 2
+            self.stats.add("nAB2", gone, torch.zeros_like(norms2))
+            self.stats.add("d2", gone, norms2 * (1 if b is not None else 4))
+            self.stats.add("dl2", gone, norms2)
+            self.present["AB"].update(gone)
+        self.copy = [None] * len(copy)
+        if b is not None:
+            self.subsets.dots(self.stats, [("aa", "A", "A"), ("bb", "B", "B"), ("ab", "A", "B"),
+                                           ("xa", "AB", "A"), ("xb", "AB", "B")])  # fmt: skip
 
-    def repeat(self) -> None:
-        """A again from zeroed buffers, compared with the first A on the subset (run only when some parameter
-        failed accumulation: a repeat that differs by more than the tolerance is nondeterminism, not a bug)."""
-        flats = self._run([self.batches[0]])
-        self._subsets("subR", flats)
+    def repeat(self, suspects: list[int]) -> dict[str, list[float | None]]:
+        """A again from zeroed buffers, compared with the first A on the subset (only where a verdict failed:
+        a repeat that differs by more than the tolerance is nondeterminism, not a bug)."""
+        self._run("R", [self.batches[0]])
+        self.subsets.dots(self.stats, [("rep2", "R", "A"), ("sa2", "A", "A")], only=suspects)
+        return self.host()
 
-    def fd(self, grads: list[torch.Tensor | None], host: dict[str, list[float]]) -> list[FdGroup]:
-        """Central finite differences of the loss of A, one pair of forwards per group."""
+    # -- finite differences -------------------------------------------------------------------------------------
+    def fd(self, grads: list[torch.Tensor | None], sizes: dict[str, list[float]]) -> list[FdGroup]:
+        """Finite differences of the loss of A, per group: forward differences against a shared base
+        evaluation, and central differences (one more forward) wherever the forward one does not agree."""
         groups: dict[tuple[str, bool], list[int]] = {}
         for i, r in enumerate(self.results):
-            gnorm = host["gnorm"][i]
+            gnorm = sizes["gnorm"][i]
             if not math.isfinite(gnorm):
                 continue  # a non-finite gradient has no direction to probe
             groups.setdefault((r.group, not gnorm > 0.0), []).append(i)
+        a = self.batches[0]
+        base = self._loss(a)
         out: list[FdGroup] = []
+        evaluations = []
         for (key, zero), indexes in groups.items():
             group = FdGroup(key=key, names=[self.entries[i].name for i in indexes], zero_gradient=zero)
+            group.unit = max(unit_roundoff(self.adapter.compute_dtype(self.entries[i])) for i in indexes)
             out.append(group)
-            plus, minus, pred = self._fd_pair(indexes, grads, zero, host)
-            u = max(unit_roundoff(self.adapter.compute_dtype(self.entries[i])) for i in indexes)
-            self.fd_values.append((group, plus, minus, pred, u))
+            evaluations.append((group, indexes, *self._fd_eval(indexes, grads, zero, sizes, 1.0)))
         self.adapter.commit()  # the restored weights, installed once for all groups
+        for j, (_, _, loss, pred) in enumerate(evaluations):
+            self.stats.add("fd_plus", [j], loss, shard_sum=False)
+            self.stats.add("fd_pred_plus", [j], pred)
+        self.stats.add("fd_base", [0], base, shard_sum=False)
+        host = self.host(("fd_plus", "fd_pred_plus", "fd_base"))
+        retry = []
+        for j, (group, indexes, _, _) in enumerate(evaluations):
+            group.loss = host["fd_base"][0]
+            _judge_fd(
+                group, host["fd_plus"][j] - group.loss, host["fd_pred_plus"][j], self.fd_rtol, "forward"
+            )
+            if group.verdict not in ("ok", "unused", "no signal"):
+                retry.append((j, group, indexes))
+        if retry:  # confirm with central differences: no second-order term
+            for j, group, indexes in retry:
+                loss, pred = self._fd_eval(indexes, grads, group.zero_gradient, sizes, -1.0)
+                self.stats.add("fd_minus", [j], loss, shard_sum=False)
+                self.stats.add("fd_pred_minus", [j], pred)
+            self.adapter.commit()
+            central = self.host(("fd_minus", "fd_pred_minus"))
+            for j, group, _ in retry:
+                fd = (host["fd_plus"][j] - central["fd_minus"][j]) / 2
+                pred = (host["fd_pred_plus"][j] - central["fd_pred_minus"][j]) / 2
+                _judge_fd(group, fd, pred, self.fd_rtol, "central")
         return out
 
-    def _direction(
-        self, i: int, grad: torch.Tensor | None, zero: bool, target: torch.Tensor, host
-    ) -> torch.Tensor:
-        """d for parameter i: along its reported gradient (random signs where that is 0), with norm fd_eps x
-        the weight's norm (at least fd_eps x 2^-7 per element, for zero-initialised weights)."""
-        size = max(host["tnorm"][i], math.sqrt(target.numel()) * 2.0**-7) * self.fd_eps
-        if zero or grad is None:
-            gen = torch.Generator(device=target.device).manual_seed(1009 + i)
-            direction = torch.randint(0, 2, target.shape, generator=gen, device=target.device).float() * 2 - 1
-            return direction * (size / math.sqrt(max(target.numel(), 1)))
-        return grad.reshape(target.shape).float() * (size / host["gnorm"][i])
-
-    def _fd_pair(
-        self, indexes: list[int], grads: list[torch.Tensor | None], zero: bool, host: dict[str, list[float]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _fd_eval(
+        self, indexes: list[int], grads: list[torch.Tensor | None], zero: bool, sizes: dict, sign: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss of A with the group's weights moved by sign x d, and <G, the move the forward computed with>;
+        the weights are restored (bit for bit) before returning, installed by the next commit."""
         adapter = self.adapter
         targets = [adapter.target(self.entries[i]) for i in indexes]
         saved = [t.clone() for t in targets]
-        pred = torch.zeros((), dtype=torch.float64, device=targets[0].device)
-        batch = self.batches[0]
+        dots = []
         try:
-            losses = []
-            for sign in (1.0, -1.0):
-                with torch.no_grad():
-                    for i, t, orig in zip(indexes, targets, saved, strict=True):
-                        g = grads[i]
-                        d = self._direction(i, g, zero, t, host)
-                        if sign < 0:
-                            t.copy_(orig)
-                        t.add_(d, alpha=sign)
+            with torch.no_grad():
+                for i, t, orig in zip(indexes, targets, saved, strict=True):
+                    g = grads[i]
+                    size = max(sizes["tnorm"][i], math.sqrt(t.numel()) * 2.0**-7) * self.fd_eps
+                    if zero or g is None:
+                        gen = torch.Generator(device=t.device).manual_seed(1009 + i)
+                        d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
+                        t.add_(d, alpha=sign * size / math.sqrt(max(t.numel(), 1)))
                         del d
-                        if g is not None:
-                            cdt = adapter.compute_dtype(self.entries[i])
-                            if cdt == t.dtype:
-                                moved = t.float() - orig.float()
-                            else:
-                                moved = t.to(cdt).float() - orig.to(cdt).float()
-                            contribution = torch.dot(g.reshape(-1).float(), moved.reshape(-1))
-                            pred = pred + (sign / 2) * contribution.double().to(pred.device)
-                            del moved
-                adapter.commit()
-                losses.append(self._loss(batch))
+                        continue
+                    t.add_(g.reshape(t.shape), alpha=sign * size / sizes["gnorm"][i])
+                    cdt = adapter.compute_dtype(self.entries[i])
+                    if cdt == t.dtype:
+                        moved = t.float() - orig.float()
+                    else:
+                        moved = t.to(cdt).float() - orig.to(cdt).float()
+                    dots.append(torch.dot(g.reshape(-1).float(), moved.reshape(-1)))
+                    del moved
+            adapter.commit()
+            loss = self._loss(self.batches[0])
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(targets, saved)
-        pred = self.dist.sum_stats(pred.reshape(1)).reshape(())
-        return losses[0], losses[1], pred
-
-
-def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 norms of many tensors in one multi-tensor launch per device and dtype."""
-    if not tensors:
-        return []
-    try:
-        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    except (RuntimeError, TypeError):  # mixed devices/dtypes on an old torch
-        return [_norm(t) for t in tensors]
-
-
-def _and(a: Any, b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else a & b
+        pred = torch.stack(dots).sum() if dots else torch.zeros((), device=targets[0].device)
+        return loss, pred
 
 
 def preflight(
@@ -812,40 +884,45 @@ def _execute(check: _Preflight) -> PreflightResult:
         lap("runs")
         if (
             check.loss_fn is None
-        ):  # the evaluations run backward into the wrapper's buffers: directions from the copy
+        ):  # evaluations run backward into the wrapper's buffers: directions from a copy
             check.keep_copy(live)
             live = list(check.copy)
         if check.finite_differences:
             present = [i for i, f in enumerate(live) if f is not None]
-            targets = [adapter.target(check.entries[i]) for i in present]
-            norms = _norms([live[i] for i in present]) + _norms(targets)
-            values = _stack_to_host(norms)  # sync 1: the finite differences' step sizes
-            host = {"gnorm": [math.inf] * len(live), "tnorm": [0.0] * len(live)}
+            norms = [
+                _norms([live[i] for i in present]),
+                _norms([adapter.target(check.entries[i]) for i in present]),
+            ]
+            values = (
+                _stack_to_host([v for vec in norms for v in vec]) if present else []
+            )  # sync 1: step sizes
+            check.syncs += 1
+            n = len(live)
+            sizes = {"gnorm": [0.0] * n, "tnorm": [0.0] * n}
             for j, i in enumerate(present):
-                host["gnorm"][i] = values[j]
-                host["tnorm"][i] = values[len(present) + j]
+                sizes["gnorm"][i] = values[j]
+                sizes["tnorm"][i] = values[len(present) + j]
             for i, f in enumerate(live):
                 if f is None:
-                    host["gnorm"][i] = 0.0
-                    host["tnorm"][i] = float(_norm(adapter.target(check.entries[i])))
-            groups = check.fd(live, host)
+                    sizes["tnorm"][i] = float(_norm(adapter.target(check.entries[i])))
+            groups = check.fd(live, sizes)
             lap("finite_differences")
         if check.loss_fn is not None:
             check.keep_copy(live)
         del live
         check.run_rest()
         lap("runs")
-        tolerances = _classify(check, groups)  # sync 2
+        tolerances = _classify(check, groups)
         suspects = [i for i, r in enumerate(check.results) if r.anomalies and r.finite]
         if suspects:
-            check.repeat()
+            _judge_repeat(check, suspects, check.repeat(suspects))
             lap("runs")
-            _judge_repeat(check, suspects)  # sync 3, only when something failed
         lap("comparison")
     except Exception as exc:  # noqa: BLE001 - the model's failure is the result, not a crash of the caller
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
         tb = traceback.format_exc(limit=12)
     finally:
+        check.copy = []
         try:
             adapter.zero()
         except Exception as exc:  # noqa: BLE001
@@ -870,6 +947,7 @@ def _execute(check: _Preflight) -> PreflightResult:
         "forward_passes": check.forwards,
         "fd_groups": len(groups),
         "params": len(check.entries),
+        "host_syncs": check.syncs,
         "seconds_by_part": {k: round(v, 4) for k, v in timings.items()},
     }
     return PreflightResult(
@@ -885,25 +963,18 @@ def _execute(check: _Preflight) -> PreflightResult:
     )
 
 
-def _judge_repeat(check: _Preflight, suspects: list[int]) -> None:
+def _judge_repeat(check: _Preflight, suspects: list[int], host: dict[str, list[float | None]]) -> None:
     """Where a verdict failed: does a repeat of A differ from the first A by more than the tolerance?"""
-    st = check.st
-    values: list[torch.Tensor] = []
-    rows = []
     for i in suspects:
-        sa, sr = st["subA"][i], st["subR"][i]
-        if sa is None or sr is None:
-            continue
-        values += [_norm(sr - sa) ** 2, _norm(sa) ** 2]
-        rows.append(i)
-    host = _stack_to_host(values)
-    for j, i in enumerate(rows):
         r = check.results[i]
-        rep2, sa2 = max(host[2 * j], 0.0), max(host[2 * j + 1], 0.0)
+        rep2, sa2 = host.get("rep2", [None] * (i + 1))[i], host.get("sa2", [None] * (i + 1))[i]
+        if rep2 is None or sa2 is None:
+            continue
+        rep2, sa2 = max(rep2, 0.0), max(sa2, 0.0)
         r.rel_repeat = math.sqrt(rep2 / sa2) if sa2 > 0 else (0.0 if rep2 == 0 else math.inf)
         if r.rel_repeat > r.tolerance / 2:
             # the first A and its repeat differ: the verdicts rest on noise, not on a bug
-            r.anomalies = ["grad_nondeterministic"]  # the finite differences rest on the same noise
+            r.anomalies = ["grad_nondeterministic"]
             r.notes = [
                 f"micro-batch A repeated from the same state and random state differs by {r.rel_repeat:.3g}"
             ]
@@ -918,45 +989,17 @@ def _perturbation_invisible(groups: list[FdGroup]) -> bool:
 
 
 def _classify(check: _Preflight, groups: list[FdGroup]) -> dict[str, Any]:
-    """The one comparison at the end: every device-side number goes to the host at once (sync 2)."""
+    """The one comparison at the end: every device-side number goes to the host at once."""
     two = len(check.batches) > 1
-    st = check.st
-    values: list[torch.Tensor] = []
-
-    def put(x: Any) -> int:
-        """Index of x among the values sent to the host; None is sent as -1 (read back as 'absent')."""
-        if isinstance(x, torch.Tensor):
-            values.append(x.detach().reshape(()))
-        else:
-            values.append(torch.tensor(-1.0 if x is None else float(x)))
-        return len(values) - 1
-
-    idx: list[dict[str, int]] = []
-    for i in range(len(check.entries)):
-        sa, sb, sab = st["subA"][i], st["subB"][i], st["subAB"][i]
-        row = {k: put(st[k][i]) for k in ("nA2", "nB2", "nAB2", "d2", "dl2")}
-        if two and sa is not None and sb is not None and sab is not None:
-            row["aa"] = put(torch.dot(sa, sa))
-            row["bb"] = put(torch.dot(sb, sb))
-            row["ab"] = put(torch.dot(sa, sb))
-            row["xa"] = put(torch.dot(sab, sa))
-            row["xb"] = put(torch.dot(sab, sb))
-        idx.append(row)
-    fd_index = [(g, put(plus), put(minus), put(pred), u) for g, plus, minus, pred, u in check.fd_values]
-    if check.dist.world > 1 and check.dist.sharded:
-        # squared norms and inner products of shards add up across ranks; the FD numbers are already global
-        keys = [k for row in idx for k in row.values()]
-        reduced = check.dist.sum_stats(torch.stack([values[k].double() for k in keys]))
-        for j, k in enumerate(keys):
-            values[k] = reduced[j]
-    host = _stack_to_host(values)
-
-    for group, ip, im, ipred, u in fd_index:
-        _judge_fd(group, host[ip], host[im], host[ipred], u, check.fd_rtol)
+    host = check.host()
     by_name = {name: g for g in groups for name in g.names}
-
     tol_used: list[float] = []
-    for e, r, row in zip(check.entries, check.results, idx, strict=True):
+
+    def get(key: str, i: int) -> float | None:
+        column = host.get(key)
+        return None if column is None else column[i]
+
+    for i, (e, r) in enumerate(zip(check.entries, check.results, strict=True)):
         raw = e.raw_param
         r.dtype = r.dtype or str(e.opt_param.dtype)
         r.shape = list(e.opt_param.shape)
@@ -973,11 +1016,10 @@ def _classify(check: _Preflight, groups: list[FdGroup]) -> dict[str, Any]:
         )
         tol = check.rtol if check.rtol is not None else max(8 * u, 4e-6)
         r.tolerance = tol
-        raw_values = [host[row[k]] for k in ("nA2", "nB2", "nAB2", "d2", "dl2")]
-        nA2, nB2, nAB2, d2, dl2 = (max(x, 0.0) for x in raw_values)
+        raw_values = [get(k, i) for k in ("nA2", "nB2", "nAB2", "d2", "dl2")]
+        nA2, nB2, nAB2, d2, dl2 = (max(x, 0.0) if x is not None else 0.0 for x in raw_values)
         r.norm_a = math.sqrt(nA2)
-        # a NaN/Inf anywhere makes the norm non-finite
-        r.finite = all(math.isfinite(x) for x in raw_values)
+        r.finite = all(math.isfinite(x) for x in raw_values if x is not None)  # a NaN/Inf poisons the norm
         if not r.finite:
             r.anomalies.append("grad_not_finite")
             r.notes.append("NaN/Inf in the optimizer's gradient: a buffer nothing wrote, or an overflow")
@@ -989,7 +1031,8 @@ def _classify(check: _Preflight, groups: list[FdGroup]) -> dict[str, Any]:
             if den > 0:
                 r.rel_sum = math.sqrt(d2) / den
                 if r.rel_sum > tol:
-                    _accumulation_verdict(r, host, row, nAB2, den, tol)
+                    fit = [get(k, i) for k in ("aa", "bb", "ab", "xa", "xb")]
+                    _accumulation_verdict(r, fit, nAB2, den, tol)
         else:
             den = math.sqrt(nA2)
             if den > 0:
@@ -1026,50 +1069,52 @@ def _classify(check: _Preflight, groups: list[FdGroup]) -> dict[str, Any]:
             else f"rtol={check.rtol}"
         ),
         "linearity_max": max(tol_used) if tol_used else None,
-        "repeat": "A is repeated only where accumulation failed; differing by more than half the tolerance "
-        "there makes the verdict grad_nondeterministic",
+        "repeat": "A is repeated only where a verdict failed; differing there by more than half the tolerance "
+        "makes the verdict grad_nondeterministic",
         "fd_rtol": check.fd_rtol,
         "fd_eps": check.fd_eps,
         "fd_floor": "|loss| x unit round-off of the compute dtype / 64",
+        "fd_method": "forward differences, confirmed by central differences wherever they disagree",
         "subset": SUBSET,
     }
 
 
-def _judge_fd(group: FdGroup, plus: float, minus: float, pred: float, u: float, rtol: float) -> None:
-    group.fd = (plus - minus) / 2
+def _judge_fd(group: FdGroup, fd: float, pred: float, rtol: float, method: str) -> None:
+    group.fd = fd
     group.predicted = pred
-    group.loss = (plus + minus) / 2
-    floor = abs(group.loss) * u / 64 + 1e-30
+    group.method = method
+    floor = abs(group.loss or 0.0) * group.unit / 64 + 1e-30
     group.floor = floor
-    if not (math.isfinite(group.fd) and math.isfinite(pred)):
+    group.scale = None
+    if not (math.isfinite(fd) and math.isfinite(pred)):
         group.verdict = "not finite"
         return
     if group.zero_gradient:
-        lost = abs(group.fd) > 8 * floor
+        lost = abs(fd) > 8 * floor
         group.verdict = "lost" if lost else "unused"
         group.scale = 0.0 if lost else None
         return
-    if abs(group.fd) <= floor and abs(pred) <= floor:
+    if abs(fd) <= floor and abs(pred) <= floor:
         group.verdict = "no signal"
         return
-    group.scale = pred / group.fd if group.fd != 0 else math.inf
-    if abs(pred - group.fd) <= rtol * abs(group.fd) + 4 * floor:
+    group.scale = pred / fd if fd != 0 else math.inf
+    if abs(pred - fd) <= rtol * abs(fd) + 4 * floor:
         group.verdict = "ok"
     else:
         group.verdict = "scaled" if 0 < group.scale <= 64 else "wrong"
 
 
 def _accumulation_verdict(
-    r: ParamResult, host: list[float], row: dict[str, int], nAB2: float, den: float, tol: float
+    r: ParamResult, fit: list[float | None], nAB2: float, den: float, tol: float
 ) -> None:
     if math.sqrt(nAB2) <= tol * den:
         r.anomalies.append("grad_lost")
         r.notes.append("G(A,B) is zero: the micro-batches' gradients never reached the optimizer")
         return
-    if "aa" not in row:
+    if any(x is None for x in fit):
         r.anomalies.append("grad_inconsistent")
         return
-    aa, bb, ab, xa, xb = (host[row[k]] for k in ("aa", "bb", "ab", "xa", "xb"))
+    aa, bb, ab, xa, xb = (float(x) for x in fit)  # type: ignore[arg-type]
     det = aa * bb - ab * ab
     if not (aa > 0 and bb > 0) or det <= 1e-6 * aa * bb:
         r.anomalies.append("grad_inconsistent")
