@@ -33,17 +33,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from maingrad.analyzer.facts import (
+    BOOL_PREFIX,
+    CAST_METHODS,
+    CONTAINER_NAMES,
+    GET_MAIN_GRAD,
+    KERNELS,
+    MAIN_GRAD,
+    OVERWRITE_FLAG,
+    VIEW_METHODS,
+    is_main_grad_name,
+)
+
 NO_GATE_ENV = "MAINGRAD_NO_GATE"
 
-MAIN_GRAD = "main_grad"
-OVERWRITE_FLAG = "overwrite_main_grad"
-# Vocabulary the walk records; tests/analyzer/test_gate.py keeps it equal to the rules' own constants.
-KERNELS = frozenset({"wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"})  # MG002/MG007/MG008
-VIEW_METHODS = frozenset(  # MG007 `_VIEW_METHODS`
-    {"view", "view_as", "reshape", "detach", "t", "transpose", "flatten", "narrow", "chunk"}
-)
-CAST_METHODS = frozenset({"to", "type", "half", "bfloat16"})  # MG007 `_looks_like_cast`
-CONTAINER_NAMES = frozenset({"Sequential", "OperationFuser"})  # MG005 `_CONTAINERS`, last parts
+# The vocabulary the walk records is `maingrad.analyzer.facts`, the rules' own: a gate and its rule cannot
+# disagree on what a kernel, a view or a container is.
 _MAX_DEPTH = 60  # deeper spines are "may be anything" (sound), never a RecursionError
 # A dotted chain written without spaces, parentheses or comments: its text is exactly libcst's `code_of`.
 _CHAIN = r"[A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)*"
@@ -197,7 +202,7 @@ def build_index(source: str, path: str) -> SyntaxIndex | None:
 
 # Expression helpers -------------------------------------------------------------------------------------
 def is_main_grad_attr(node: ast.AST) -> bool:
-    return type(node) is ast.Attribute and node.attr == MAIN_GRAD  # type: ignore[attr-defined]
+    return type(node) is ast.Attribute and node.attr == MAIN_GRAD
 
 
 def positional(call: ast.Call) -> list[ast.expr]:
@@ -206,15 +211,15 @@ def positional(call: ast.Call) -> list[ast.expr]:
 
 
 def is_str(node: ast.AST, value: str) -> bool:
-    return type(node) is ast.Constant and isinstance(node.value, str) and node.value == value  # type: ignore[attr-defined]
+    return type(node) is ast.Constant and isinstance(node.value, str) and node.value == value
 
 
 def last_name(call: ast.Call) -> str | None:
     func = call.func
     if type(func) is ast.Name:
-        return func.id  # type: ignore[attr-defined]
+        return func.id
     if type(func) is ast.Attribute:
-        return func.attr  # type: ignore[attr-defined]
+        return func.attr
     return None
 
 
@@ -222,10 +227,10 @@ def dotted(node: ast.AST) -> str | None:
     """`a.b.c` for a Name/Attribute chain, else None (libcst's `dotted_name`)."""
     parts: list[str] = []
     while type(node) is ast.Attribute:
-        parts.append(node.attr)  # type: ignore[attr-defined]
-        node = node.value  # type: ignore[attr-defined]
+        parts.append(node.attr)
+        node = node.value
     if type(node) is ast.Name:
-        parts.append(node.id)  # type: ignore[attr-defined]
+        parts.append(node.id)
         return ".".join(reversed(parts))
     return None
 
@@ -237,16 +242,11 @@ def is_main_grad_value(node: ast.AST) -> bool:
         return True
     if type(node) is not ast.Call:
         return False
-    func = node.func  # type: ignore[attr-defined]
+    func = node.func
     if type(func) is ast.Name and func.id == "getattr":
-        args = positional(node)  # type: ignore[arg-type]
+        args = positional(node)
         return 2 <= len(args) <= 3 and is_str(args[1], MAIN_GRAD)
-    return (
-        type(func) is ast.Attribute
-        and func.attr == "get_main_grad"
-        and not node.args  # type: ignore[attr-defined]
-        and not node.keywords  # type: ignore[attr-defined]
-    )
+    return type(func) is ast.Attribute and func.attr == GET_MAIN_GRAD and not node.args and not node.keywords
 
 
 def spine_of(node: ast.AST) -> Spine:
@@ -295,11 +295,7 @@ _EMPTY = Spine()
 
 
 def is_cast(node: ast.AST) -> bool:
-    return (
-        type(node) is ast.Call
-        and type(node.func) is ast.Attribute  # type: ignore[attr-defined]
-        and node.func.attr in CAST_METHODS  # type: ignore[attr-defined]
-    )
+    return type(node) is ast.Call and type(node.func) is ast.Attribute and node.func.attr in CAST_METHODS
 
 
 def _maybe_truthy(node: ast.AST | None) -> bool:
@@ -309,7 +305,7 @@ def _maybe_truthy(node: ast.AST | None) -> bool:
     if type(node) is ast.Name:
         return True
     if type(node) is ast.Constant:
-        value = node.value  # type: ignore[attr-defined]
+        value = node.value
         return isinstance(value, int) and bool(value)  # bools are ints: True passes, False does not
     return False
 
@@ -323,7 +319,7 @@ def pos(node: ast.AST) -> tuple[int, int]:
 def chain_before(index: SyntaxIndex, attribute: ast.AST, attr: str) -> str | None:
     """For `R.<attr>` written as a plain dotted chain (no spaces, parentheses or comments), R's text, which
     then equals libcst's `code_of(R)`; else None (the caller must assume nothing)."""
-    if type(attribute) is not ast.Attribute or attribute.attr != attr:  # type: ignore[attr-defined]
+    if type(attribute) is not ast.Attribute or attribute.attr != attr:
         return None
     text = index.segment(attribute)
     match = re.fullmatch(rf"({_CHAIN})\.{re.escape(attr)}", text or "")
@@ -458,7 +454,7 @@ class _Builder:
         if is_main_grad_value(node):
             self.index.truth_main_grad = True
         elif type(node) is ast.Name:
-            self.index.truth_names.add(node.id)  # type: ignore[attr-defined]
+            self.index.truth_names.add(node.id)
 
     def _test(self, node: Any) -> None:
         self._truth(node.test)
@@ -479,11 +475,11 @@ class _Builder:
     def _bind(self, target: ast.AST, value: ast.AST) -> None:
         if type(target) is ast.Name:
             if is_main_grad_value(value):
-                self.index.main_grad_value_names.add(target.id)  # type: ignore[attr-defined]
+                self.index.main_grad_value_names.add(target.id)
             spine = spine_of(value)
             if not spine.empty:
-                self.index.bindings.append((target.id, spine))  # type: ignore[attr-defined]
-        elif type(target) is ast.Attribute and target.attr == OVERWRITE_FLAG and _maybe_truthy(value):  # type: ignore[attr-defined]
+                self.index.bindings.append((target.id, spine))
+        elif type(target) is ast.Attribute and target.attr == OVERWRITE_FLAG and _maybe_truthy(value):
             self.index.overwrite_sets.append(target)
 
     def _assign(self, node: ast.Assign) -> None:
@@ -521,13 +517,13 @@ class _Builder:
             if not spine.empty:
                 self.index.writes.append(Write("dict_out", node, spine, out_dtype=out_dtype))
 
-    def _call(self, node: ast.Call) -> None:
+    def _call(self, node: ast.Call) -> None:  # noqa: C901 - one pass per call on the gate's hot path
         index = self.index
         func = node.func
         func_kind = type(func)
         takes_main_grad = False
         for arg in node.args:
-            if is_main_grad_attr(arg.value if type(arg) is ast.Starred else arg):  # type: ignore[attr-defined]
+            if is_main_grad_attr(arg.value if type(arg) is ast.Starred else arg):
                 takes_main_grad = True
         out: ast.AST | None = None
         out_dtype = False
@@ -551,7 +547,7 @@ class _Builder:
             receiver = func.value  # type: ignore[attr-defined]
             if is_main_grad_attr(receiver):
                 takes_main_grad = True
-            if attr == "get_main_grad":
+            if attr == GET_MAIN_GRAD:
                 index.get_main_grad_calls.append(node)
             elif attr in KERNELS:
                 args = positional(node)
@@ -593,8 +589,37 @@ class _Builder:
 
     def _class(self, node: ast.ClassDef) -> None:
         start, end = self._span(node)
-        defines = any(isinstance(s, FUNCTION_NODES) and s.name == "get_main_grad" for s in node.body)
+        defines = any(isinstance(s, FUNCTION_NODES) and s.name == GET_MAIN_GRAD for s in node.body)
         self.index.scopes.append(Scope("class", node.name, start, end, defines))
 
     def _import(self, node: ast.Import | ast.ImportFrom) -> None:
         self.index.imports.append(node)
+
+
+# Gate helpers shared by the rules that judge writes into main_grad buffers (MG007, MG008, ...) ---------
+def spine_is_main_grad(spine: Spine, aliases: set[str]) -> bool:
+    """Over-approximates `rules._common.MainGradScope.is_main_grad` on an expression: the spine holds
+    exactly the nodes it decides on (an `X.main_grad` attribute, a call's last name, a plain name), and
+    `aliases` is a superset of every scope's aliases."""
+    if spine.wild or spine.attr:
+        return True
+    if any(MAIN_GRAD in name and not BOOL_PREFIX.match(name) for name in spine.calls):
+        return True
+    return any(name in aliases or is_main_grad_name(name) for name in spine.names)
+
+
+def gate_aliases(index: SyntaxIndex) -> set[str]:
+    """Names that may hold a main_grad buffer: the fixpoint over every `name = <expr>` in the file. Each
+    scope's `MainGradScope.aliases` comes from a subset of these bindings in at most four rounds."""
+    cached = index.memo.get("main_grad_aliases")
+    if cached is None:
+        cached = set()
+        grew = True
+        while grew:
+            grew = False
+            for name, spine in index.bindings:
+                if name not in cached and spine_is_main_grad(spine, cached):
+                    cached.add(name)
+                    grew = True
+        index.memo["main_grad_aliases"] = cached
+    return cached

@@ -17,6 +17,9 @@ import libcst as cst
 
 from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.facts import ACCUMULATE_FLAG as FLAG
+from maingrad.analyzer.facts import FORWARD_CHECKING_OPS
+from maingrad.analyzer.facts import TE_SEQUENTIAL as SEQUENTIAL
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.rules._common import (
     all_nodes,
@@ -38,10 +41,6 @@ from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
 from maingrad.contracts.report import Severity
 
-# Ops whose fused forward requires `main_grad` when built with accumulate_into_main_grad=True.
-FORWARD_CHECKING_OPS = ("transformer_engine.pytorch.ops.GroupedLinear",)
-SEQUENTIAL = "transformer_engine.pytorch.ops.Sequential"
-FLAG = "accumulate_into_main_grad"
 METHOD = "_expose_main_grad_for_fused_ops"
 # Entry points that run without being referenced inside the class.
 ENTRY_POINTS = frozenset({"forward", "__call__"})
@@ -844,7 +843,7 @@ def _build_fix(ctx: FileContext, owner: cst.ClassDef, flagged: list[_Flagged]) -
         return None
     tuple_code = ", ".join(children) + ("," if len(children) == 1 else "")
     # A docstring is not re-indented with its block: write its continuation lines at the final depth.
-    doc = _absolute_indent(ctx, owner.body) + ctx.module.default_indent
+    doc = _absolute_indent(ctx, owner.body) + ctx.module.default_indent  # type: ignore[arg-type]  # a class body
     method = cst.parse_statement(
         _METHOD_TEMPLATE.format(name=name, children=tuple_code, doc=doc), config=ctx.module.config_for_parsing
     )
@@ -894,7 +893,8 @@ class _ApplyPlan(cst.CSTTransformer):
             code = self.insert_before.get(id(old))
             if code is not None:
                 hook = cst.parse_statement(code + "\n", config=self.config)
-                body.append(hook.with_changes(leading_lines=[*new.leading_lines, self._comment_line()]))
+                lines = new.leading_lines  # type: ignore[attr-defined]  # every statement has leading_lines
+                body.append(hook.with_changes(leading_lines=[*lines, self._comment_line()]))
                 new = new.with_changes(leading_lines=[])
                 changed = True
             body.append(new)
