@@ -59,7 +59,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -499,12 +499,23 @@ class _Subsets:
                 stats.add(name, select, values)
 
 
+def _some(tensors: Sequence[torch.Tensor | None], indexes: Sequence[int]) -> list[torch.Tensor]:
+    """The tensors at `indexes`, which the caller knows are present."""
+    return [cast(torch.Tensor, tensors[i]) for i in indexes]
+
+
+def _floats(host: dict[str, list[float | None]]) -> dict[str, list[float]]:
+    """Host numbers whose every slot was filled (NaN marks a slot that was not)."""
+    return {k: [math.nan if v is None else v for v in column] for k, column in host.items()}
+
+
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """fp32 norms of many tensors in one multi-tensor launch (stacked)."""
     if not tensors:
         return torch.zeros(0)
+    norms: list[torch.Tensor]
     try:
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        norms = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     except (RuntimeError, TypeError):  # mixed devices/dtypes on an old torch
         norms = [_norm(t) for t in tensors]
     device = norms[0].device
@@ -558,6 +569,7 @@ class _Preflight:
         self.subsets = _Subsets(entries)
         self.present: dict[str, set[int]] = {}
         self.copy: list[torch.Tensor | None] = [None] * len(entries)
+        self.rng = RngState(rng_states)  # the caller's random state: every micro-batch starts from it
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{_leaf_pattern(e.leaf)}"
@@ -603,7 +615,7 @@ class _Preflight:
         present = [i for i, f in enumerate(flats) if f is not None]
         self.present[key] = set(present)
         if present:
-            self.stats.add(f"n{key}2", present, _norms([flats[i] for i in present]) ** 2)
+            self.stats.add(f"n{key}2", present, _norms(_some(flats, present)) ** 2)
         self.subsets.take(key, flats)
         return flats
 
@@ -640,7 +652,7 @@ class _Preflight:
         """The one copy of the gradients preflight holds: G(A), then G(A) + G(B). Taken after the finite
         differences (which perturb weights while the wrapper still holds G(A)), so the two never coexist."""
         idx = [i for i, f in enumerate(flats) if f is not None]
-        live = [flats[i] for i in idx]
+        live = _some(flats, idx)
         for i, c in zip(idx, torch._foreach_mul(live, 1.0) if live else [], strict=True):
             self.copy[i] = c
 
@@ -652,16 +664,16 @@ class _Preflight:
             flats = self._run("B", [b])
             fresh = [i for i in self.present["B"] if copy[i] is None]
             for i in fresh:
-                copy[i] = flats[i].clone()
+                copy[i] = cast(torch.Tensor, flats[i]).clone()
             both = [i for i in self.present["B"] if i not in fresh]
             if both:
-                torch._foreach_add_([copy[i] for i in both], [flats[i] for i in both])  # G(A) + G(B)
+                torch._foreach_add_(_some(copy, both), _some(flats, both))  # G(A) + G(B)
             del flats
             flats = self._run("AB", [self.batches[0], b])
         else:
             flats = self._run("AB", [self.batches[0], self.batches[0]])
         both = [i for i in self.present["AB"] if copy[i] is not None]
-        cs, fs = [copy[i] for i in both], [flats[i] for i in both]
+        cs, fs = _some(copy, both), _some(flats, both)
         if both and b is not None:
             torch._foreach_sub_(cs, fs)  # G(A) + G(B) - G(A,B), in place: no second copy
             self.stats.add("d2", both, _norms(cs) ** 2)
@@ -675,7 +687,7 @@ class _Preflight:
             self.stats.add("dl2", both, _norms(cs) ** 2)
         gone = [i for i, c in enumerate(copy) if c is not None and i not in self.present["AB"]]
         if gone:  # a gradient that vanished in the last run counts as zero there
-            norms2 = _norms([copy[i] for i in gone]) ** 2
+            norms2 = _norms(_some(copy, gone)) ** 2
             self.stats.add("nAB2", gone, torch.zeros_like(norms2))
             self.stats.add("d2", gone, norms2 * (1 if b is not None else 4))
             self.stats.add("dl2", gone, norms2)
@@ -716,13 +728,12 @@ class _Preflight:
             self.stats.add("fd_plus", [j], loss, shard_sum=False)
             self.stats.add("fd_pred_plus", [j], pred)
         self.stats.add("fd_base", [0], base, shard_sum=False)
-        host = self.host(("fd_plus", "fd_pred_plus", "fd_base"))
+        host = _floats(self.host(("fd_plus", "fd_pred_plus", "fd_base")))
         retry = []
         for j, (group, indexes, _, _) in enumerate(evaluations):
-            group.loss = host["fd_base"][0]
-            _judge_fd(
-                group, host["fd_plus"][j] - group.loss, host["fd_pred_plus"][j], self.fd_rtol, "forward"
-            )
+            base_loss = host["fd_base"][0]
+            group.loss = base_loss
+            _judge_fd(group, host["fd_plus"][j] - base_loss, host["fd_pred_plus"][j], self.fd_rtol, "forward")
             if group.verdict not in ("ok", "unused", "no signal"):
                 retry.append((j, group, indexes))
         if retry:  # confirm with central differences: no second-order term
@@ -731,11 +742,11 @@ class _Preflight:
                 self.stats.add("fd_minus", [j], loss, shard_sum=False)
                 self.stats.add("fd_pred_minus", [j], pred)
             self.adapter.commit()
-            central = self.host(("fd_minus", "fd_pred_minus"))
+            central = _floats(self.host(("fd_minus", "fd_pred_minus")))
             for j, group, _ in retry:
                 fd = (host["fd_plus"][j] - central["fd_minus"][j]) / 2
-                pred = (host["fd_pred_plus"][j] - central["fd_pred_minus"][j]) / 2
-                _judge_fd(group, fd, pred, self.fd_rtol, "central")
+                predicted = (host["fd_pred_plus"][j] - central["fd_pred_minus"][j]) / 2
+                _judge_fd(group, fd, predicted, self.fd_rtol, "central")
         return out
 
     def _fd_eval(
@@ -868,7 +879,6 @@ def _execute(check: _Preflight) -> PreflightResult:
     adapter = check.adapter
     model = check.model
     started = time.perf_counter()
-    check.rng = RngState(check.rng_states)
     buffers = BufferState(model)
     adapter.save_user_grads()
     error = tb = None
@@ -893,13 +903,10 @@ def _execute(check: _Preflight) -> PreflightResult:
             live = list(check.copy)
         if check.finite_differences:
             present = [i for i, f in enumerate(live) if f is not None]
-            norms = [
-                _norms([live[i] for i in present]),
-                _norms([adapter.target(check.entries[i]) for i in present]),
-            ]
-            values = (
-                _stack_to_host([v for vec in norms for v in vec]) if present else []
-            )  # sync 1: step sizes
+            values: list[float] = []
+            if present:  # sync 1: the perturbations' sizes
+                norms = _norms(_some(live, present) + [adapter.target(check.entries[i]) for i in present])
+                values = norms.double().cpu().tolist()
             check.syncs += 1
             n = len(live)
             sizes = {"gnorm": [0.0] * n, "tnorm": [0.0] * n}
@@ -988,7 +995,8 @@ def _perturbation_invisible(groups: list[FdGroup]) -> bool:
     """Every group with a reported gradient saw no loss change at all, while the gradient predicted one."""
     probed = [g for g in groups if not g.zero_gradient and g.fd is not None and g.floor is not None]
     return bool(probed) and all(
-        abs(g.fd) <= 8 * g.floor and abs(g.predicted or 0.0) > 8 * g.floor for g in probed
+        abs(g.fd or 0.0) <= 8 * (g.floor or 0.0) and abs(g.predicted or 0.0) > 8 * (g.floor or 0.0)
+        for g in probed
     )
 
 

@@ -62,7 +62,7 @@ class Adapter:
     label = "plain"
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+        self.model: Any = model  # duck-typed: the wrapper's own methods (zero_grad_buffer, ...) are called
         self.entries = self._entries()
         self._saved_grads: list[Any] | None = None
 
