@@ -70,6 +70,7 @@ def _script(args: argparse.Namespace) -> int:
     script_args = list(args.args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
+    saved_env = {key: os.environ.get(key) for key in (module.ENV, module.ENV_JSON, module.ENV_SINKS)}
     os.environ[module.ENV] = "only"
     if args.json:
         os.environ[module.ENV_JSON] = args.json
@@ -90,6 +91,11 @@ def _script(args: argparse.Namespace) -> int:
         sys.argv = saved_argv
         if sys.path and sys.path[0] == script_dir:
             sys.path.pop(0)
+        for key, value in saved_env.items():  # the caller's environment as it was (in-process callers, tests)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     if module._CALLS["run_from_env"] == calls_before:
         print(
             f"maingrad preflight: {args.script} never called maingrad.hooks.preflight.run_from_env(model, "

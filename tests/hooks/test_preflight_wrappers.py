@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import textwrap
@@ -89,7 +90,11 @@ def _script(tmp_path: Path) -> Path:
     return path
 
 
-def test_cli_script_and_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_script_and_show(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in ("MAINGRAD_PREFLIGHT", "MAINGRAD_PREFLIGHT_JSON", "MAINGRAD_PREFLIGHT_SINKS"):
+        monkeypatch.delenv(key, raising=False)
     script = _script(tmp_path)
     out = tmp_path / "pf.json"
     rc = cli_main(
@@ -102,6 +107,7 @@ def test_cli_script_and_show(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "FAIL - Megatron-FSDP (optim_grads_params)" in capsys.readouterr().out
     assert cli_main(["preflight", "--script", str(script), "--", "te", "no_shard"]) == 0
     assert sys.argv[0] != str(script)  # restored
+    assert "MAINGRAD_PREFLIGHT" not in os.environ and "MAINGRAD_PREFLIGHT_JSON" not in os.environ
 
 
 def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,7 +141,12 @@ def test_service_gate_fails_on_preflight_records(tmp_path: Path) -> None:
 
     failing, passing = run("basic", "optim_grads_params"), run("basic", "no_shard")
     assert failing.status == "fail" and passing.ok
-    settings = Settings(database_url=f"sqlite:///{tmp_path / 'svc.db'}", secret=SECRET, admin_token=ADMIN)
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'svc.db'}",
+        secret=SECRET,
+        admin_token=ADMIN,
+        public_dashboard=True,
+    )
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         r = client.post(
             "/api/v1/projects", json={"name": "pf", "default_branch": "main"}, headers=admin_headers()
@@ -169,3 +180,11 @@ def test_service_gate_fails_on_preflight_records(tmp_path: Path) -> None:
         assert cond["runtime_anomalies"]["passed"] is False
         gate2 = client.get("/api/v1/projects/pf/gate", params={"commit_sha": sha("pf2")}, headers=auth).json()
         assert gate2["status"] == "pass" and gate2["runtime"]["records"] == 1, gate2
+        # the dashboard shows the failing run's verdicts with no new endpoint
+        run = client.get("/api/v1/projects/pf/runs/preflight-1", headers=auth).json()
+        assert {(a["phase"], a["param"], a["anomaly"]) for a in run["anomalies"]} == {
+            ("preflight", "weight", "grad_overwritten"),
+            ("preflight", "weight", "grad_scaled"),
+        }
+        page = client.get("/projects/pf/runs/preflight-1")
+        assert page.status_code == 200 and "grad_scaled" in page.text and "preflight" in page.text
