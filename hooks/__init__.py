@@ -3,6 +3,8 @@
     handle = maingrad.hooks.install(model)   # after wrapping with DDP / Megatron-FSDP
     ...; handle.step(); ...; print(handle.summary()); handle.remove()
 
+    print(maingrad.hooks.preflight(model, run_microbatch, [batch_a, batch_b], loss_fn=loss_fn))  # once, before
+
 Attributes load lazily, so `import maingrad.hooks` (and the `maingrad` CLI) does not import torch.
 """
 
