@@ -3,6 +3,8 @@
     handle = maingrad.hooks.install(model)   # after wrapping with DDP / Megatron-FSDP
     ...; handle.step(); ...; print(handle.summary()); handle.remove()
 
+    print(maingrad.hooks.preflight(model, run_microbatch, [batch_a, batch_b], loss_fn=loss_fn))  # once, before
+
 Attributes load lazily, so `import maingrad.hooks` (and the `maingrad` CLI) does not import torch.
 """
 
@@ -29,6 +31,9 @@ _EXPORTS: dict[str, str] = {
     "FIELDS": "maingrad.contracts.records",
     "SCHEMA_VERSION": "maingrad.contracts.records",
     "validate_record": "maingrad.contracts.records",
+    "preflight": "preflight",  # the module, callable as the function (see preflight.py)
+    "PreflightResult": "preflight",
+    "PreflightFailed": "preflight",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -39,7 +44,10 @@ def __getattr__(name: str) -> Any:
     if module_name is None:
         raise AttributeError(f"module 'maingrad.hooks' has no attribute {name!r}")
     module = importlib.import_module(module_name if "." in module_name else f"{__name__}.{module_name}")
-    value = getattr(module, "validate" if name == "validate_record" else name)
+    if name == "preflight":
+        value: Any = module
+    else:
+        value = getattr(module, "validate" if name == "validate_record" else name)
     globals()[name] = value
     return value
 
