@@ -31,9 +31,10 @@ _EXPORTS: dict[str, str] = {
     "FIELDS": "maingrad.contracts.records",
     "SCHEMA_VERSION": "maingrad.contracts.records",
     "validate_record": "maingrad.contracts.records",
-    "preflight": "preflight",  # the module, callable as the function (see preflight.py)
-    "PreflightResult": "preflight",
-    "PreflightFailed": "preflight",
+    "preflight": "preflight_check",
+    "preflight_from_env": "preflight_check",
+    "PreflightResult": "preflight_check",
+    "PreflightFailed": "preflight_check",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -44,10 +45,7 @@ def __getattr__(name: str) -> Any:
     if module_name is None:
         raise AttributeError(f"module 'maingrad.hooks' has no attribute {name!r}")
     module = importlib.import_module(module_name if "." in module_name else f"{__name__}.{module_name}")
-    if name == "preflight":
-        value: Any = module
-    else:
-        value = getattr(module, "validate" if name == "validate_record" else name)
+    value = getattr(module, "validate" if name == "validate_record" else name)
     globals()[name] = value
     return value
 

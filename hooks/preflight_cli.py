@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 -m maingrad.cli preflight --script train.py -- ...   # every rank
     maingrad preflight --show out.json
 
-The script must call `maingrad.hooks.preflight.run_from_env(model, run_microbatch, batches, loss_fn=...)` once,
+The script must call `maingrad.hooks.preflight_from_env(model, run_microbatch, batches, loss_fn=...)` once,
 after wrapping its model; this command runs it with MAINGRAD_PREFLIGHT=only, so the script stops right after
 the check (exit status 0 pass, 1 fail or error) and never trains. Registration imports nothing heavy.
 """
@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--script", help="training script that calls maingrad.hooks.preflight.run_from_env()")
+    what.add_argument("--script", help="training script that calls maingrad.hooks.preflight_from_env()")
     what.add_argument(
         "--show", metavar="JSON", help="print the table of a saved result (exit 1 unless it passed)"
     )
@@ -52,7 +52,7 @@ def _show(path: str) -> int:
     except (OSError, json.JSONDecodeError) as exc:
         print(f"maingrad preflight: cannot read {path}: {exc}", file=sys.stderr)
         return 2
-    from maingrad.hooks.preflight import _result_from_dict
+    from maingrad.hooks.preflight_check import _result_from_dict
 
     result = _result_from_dict(data)
     print(result.table())
@@ -65,7 +65,7 @@ def _script(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.script):
         print(f"maingrad preflight: no such script: {args.script}", file=sys.stderr)
         return 2
-    from maingrad.hooks import preflight as module
+    from maingrad.hooks import preflight_check as module
 
     script_args = list(args.args)
     if script_args[:1] == ["--"]:
@@ -76,7 +76,7 @@ def _script(args: argparse.Namespace) -> int:
         os.environ[module.ENV_JSON] = args.json
     if args.sink:
         os.environ[module.ENV_SINKS] = ",".join(args.sink)
-    calls_before = module._CALLS["run_from_env"]
+    calls_before = module._CALLS["preflight_from_env"]
     saved_argv = sys.argv
     sys.argv = [args.script, *script_args]
     script_dir = os.path.dirname(os.path.abspath(args.script))
@@ -84,7 +84,7 @@ def _script(args: argparse.Namespace) -> int:
     try:
         runpy.run_path(args.script, run_name="__main__")
     except SystemExit as exc:
-        if module._CALLS["run_from_env"] > calls_before:
+        if module._CALLS["preflight_from_env"] > calls_before:
             return exc.code if isinstance(exc.code, int) else 1
         raise
     finally:
@@ -96,9 +96,9 @@ def _script(args: argparse.Namespace) -> int:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    if module._CALLS["run_from_env"] == calls_before:
+    if module._CALLS["preflight_from_env"] == calls_before:
         print(
-            f"maingrad preflight: {args.script} never called maingrad.hooks.preflight.run_from_env(model, "
+            f"maingrad preflight: {args.script} never called maingrad.hooks.preflight_from_env(model, "
             "run_microbatch, batches, loss_fn=...)",
             file=sys.stderr,
         )

@@ -27,8 +27,8 @@ from emulators import (
 
 import maingrad.hooks
 from maingrad.contracts.records import validate
-from maingrad.hooks import preflight as preflight_module
-from maingrad.hooks.preflight import PreflightFailed, preflight, run_from_env
+from maingrad.hooks import preflight_check as preflight_module
+from maingrad.hooks.preflight_check import PreflightFailed, preflight, preflight_from_env
 
 
 def fsdp(middle: str, strategy: str, *, dp: int = 1, semantics: str = "main", **kw) -> MegatronFSDP:
@@ -383,8 +383,8 @@ def test_table_json_and_records(tmp_path) -> None:
     assert {r["run"] for r in written} == {"run-2"} and {r["commit"] for r in written} == {"def"}
 
 
-def test_package_attribute_is_callable_module() -> None:
-    assert maingrad.hooks.preflight is preflight_module and callable(maingrad.hooks.preflight)
+def test_package_exports_the_functions() -> None:
+    assert maingrad.hooks.preflight is preflight and maingrad.hooks.preflight_from_env is preflight_from_env
     result = maingrad.hooks.preflight(
         fsdp("te", "no_shard"), mse_microbatch, dense_batches(2), loss_fn=mse_loss
     )
@@ -413,19 +413,21 @@ def test_bad_arguments(kwargs: dict, message: str) -> None:
 # -- the driver form ---------------------------------------------------------------------------------------------------
 def test_run_from_env_modes(tmp_path, capsys) -> None:
     args = (mse_microbatch, dense_batches(2))
-    assert run_from_env(fsdp("basic", "optim_grads_params"), *args, env={}, loss_fn=mse_loss) is None
+    assert preflight_from_env(fsdp("basic", "optim_grads_params"), *args, env={}, loss_fn=mse_loss) is None
     out = tmp_path / "r{rank}.json"
     env = {"MAINGRAD_PREFLIGHT": "warn", "MAINGRAD_PREFLIGHT_JSON": str(out), "RANK": "0"}
-    result = run_from_env(fsdp("basic", "optim_grads_params"), *args, env=env, loss_fn=mse_loss)
+    result = preflight_from_env(fsdp("basic", "optim_grads_params"), *args, env=env, loss_fn=mse_loss)
     assert result is not None and result.status == "fail"
     assert json.loads((tmp_path / "r0.json").read_text())["status"] == "fail"
     assert "grad_scaled" in capsys.readouterr().err
     with pytest.raises(PreflightFailed, match="grad_overwritten"):
-        run_from_env(
+        preflight_from_env(
             fsdp("basic", "optim_grads_params"), *args, env={"MAINGRAD_PREFLIGHT": "on"}, loss_fn=mse_loss
         )
     with pytest.raises(SystemExit) as exc:
-        run_from_env(fsdp("te", "no_shard"), *args, env={"MAINGRAD_PREFLIGHT": "only"}, loss_fn=mse_loss)
+        preflight_from_env(
+            fsdp("te", "no_shard"), *args, env={"MAINGRAD_PREFLIGHT": "only"}, loss_fn=mse_loss
+        )
     assert exc.value.code == 0
     with pytest.raises(ValueError, match="MAINGRAD_PREFLIGHT='sometimes'"):
-        run_from_env(fsdp("te", "no_shard"), *args, env={"MAINGRAD_PREFLIGHT": "sometimes"})
+        preflight_from_env(fsdp("te", "no_shard"), *args, env={"MAINGRAD_PREFLIGHT": "sometimes"})

@@ -15,7 +15,7 @@ import torch
 from emulators import DenseBlock, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
 
 from maingrad.cli.main import main as cli_main
-from maingrad.hooks.preflight import preflight
+from maingrad.hooks.preflight_check import preflight
 from maingrad.hooks.preflight_wrappers import choose
 
 
@@ -75,11 +75,11 @@ SCRIPT = """
 import sys, torch
 sys.path.insert(0, {emulators!r})
 from emulators import DenseBlock, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
-from maingrad.hooks.preflight import run_from_env
+from maingrad.hooks.preflight_check import preflight_from_env
 
 torch.manual_seed(0)
 model = MegatronFSDP(DenseBlock(sys.argv[1]), sys.argv[2], unit_types=(), data_parallel_size=1)
-run_from_env(model, mse_microbatch, dense_batches(2), loss_fn=mse_loss)
+preflight_from_env(model, mse_microbatch, dense_batches(2), loss_fn=mse_loss)
 raise SystemExit("training started: preflight did not stop the script")
 """
 
@@ -116,7 +116,7 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plain = tmp_path / "noop.py"
     plain.write_text("x = 1\n")
     assert cli_main(["preflight", "--script", str(plain)]) == 2
-    assert "never called maingrad.hooks.preflight.run_from_env" in capsys.readouterr().err
+    assert "never called maingrad.hooks.preflight_from_env" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert cli_main(["preflight", "--show", str(bad)]) == 2

@@ -1,4 +1,4 @@
-"""`maingrad.hooks.preflight`: prove, on the user's own model and wrapper, that every parameter's gradient is
+"""`maingrad.hooks.preflight()`: prove, on the user's own model and wrapper, that every parameter's gradient is
 the sum of its micro-batches' gradients, before the long job.
 
     result = maingrad.hooks.preflight(model, run_microbatch, batches, loss_fn=loss_fn)
@@ -1205,18 +1205,18 @@ ENV = "MAINGRAD_PREFLIGHT"  # off (default) | warn | on | only
 ENV_JSON = "MAINGRAD_PREFLIGHT_JSON"  # write the result as JSON here ({rank} filled in)
 ENV_SINKS = "MAINGRAD_PREFLIGHT_SINKS"  # comma-separated sinks: jsonl:PATH, an http(s) URL, memory
 ENV_MODES: tuple[str, ...] = ("off", "warn", "on", "only")
-_CALLS = {"run_from_env": 0}
+_CALLS = {"preflight_from_env": 0}
 
 
 class PreflightFailed(RuntimeError):
-    """Raised by run_from_env() in mode "on" when the check failed: the job stops before training."""
+    """Raised by preflight_from_env() in mode "on" when the check failed: the job stops before training."""
 
     def __init__(self, result: PreflightResult) -> None:
         super().__init__(result.table())
         self.result = result
 
 
-def run_from_env(
+def preflight_from_env(
     model: torch.nn.Module,
     run_microbatch: RunMicrobatch,
     batches: Iterable[Any],
@@ -1225,7 +1225,7 @@ def run_from_env(
 ) -> PreflightResult | None:
     """One line in a training script, switched from the environment (`maingrad preflight --script` sets it):
 
-        maingrad.hooks.preflight.run_from_env(model, run_microbatch, [batch_a, batch_b], loss_fn=loss_fn)
+        maingrad.hooks.preflight_from_env(model, run_microbatch, [batch_a, batch_b], loss_fn=loss_fn)
 
     MAINGRAD_PREFLIGHT: "off"/unset does nothing (returns None, batches untouched); "warn" runs the check and
     prints the table on rank 0; "on" also raises PreflightFailed when it failed; "only" exits the process with
@@ -1236,7 +1236,6 @@ def run_from_env(
     """
     import json
     import os
-    import sys
 
     env = dict(os.environ) if env is None else env
     mode = (env.get(ENV) or "off").strip().lower()
@@ -1248,7 +1247,7 @@ def run_from_env(
         raise ValueError(f"{ENV}={env.get(ENV)!r}: use one of {ENV_MODES}")
     if mode == "off":
         return None
-    _CALLS["run_from_env"] += 1
+    _CALLS["preflight_from_env"] += 1
     sinks = [s.strip() for s in (env.get(ENV_SINKS) or "").split(",") if s.strip()]
     result = preflight(model, run_microbatch, batches, sinks=[*kwargs.pop("sinks", ()), *sinks], **kwargs)
     from maingrad.hooks.settings import resolve_rank
@@ -1268,14 +1267,3 @@ def run_from_env(
     if mode == "on" and not result.ok:
         raise PreflightFailed(result)
     return result
-
-
-class _CallableModule(type(sys.modules[__name__])):  # type: ignore[misc]
-    """`maingrad.hooks.preflight` is both this module and the function: importing the submodule rebinds the
-    package attribute to the module, so the module itself must be callable as preflight(...)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> PreflightResult:
-        return preflight(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
