@@ -1,4 +1,4 @@
-"""CPU stand-ins for the real contracts (see ../shared/gpu/README.md and the test beds' sources).
+"""CPU stand-ins for the real contracts (see docs/gpu-evidence.md and the test beds' sources).
 
 Written from megatron-core 0.18.2 / 0.19.2 (`TEGroupedMLP`, Megatron-FSDP) and Transformer Engine 2.20.2
 (`te.ops.GroupedLinear`, `te.ops.Sequential`, `ops/_common.py`); behaviour reproduced, no code copied:
