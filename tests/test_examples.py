@@ -36,9 +36,11 @@ def test_hooks_cpu_example() -> None:
 
 @pytest.mark.parametrize("document", ["README.md", "docs/hooks.md"])
 def test_python_blocks_run_as_written(document: str) -> None:
+    """A document's blocks run in order in one interpreter, as a reader pasting them one after the other
+    would (a later block may use what an earlier one defined)."""
     blocks = _BLOCK.findall((REPO / document).read_text(encoding="utf-8"))
     assert blocks, f"{document} has no python block"
-    for block in blocks:
-        done = _run(["-c", block])
-        assert done.returncode == 0, f"{document}:\n{block}\n{done.stderr}"
-        assert "Traceback" not in done.stderr
+    script = "\n".join(f"print('--- block {i}', flush=True)\n{block}" for i, block in enumerate(blocks))
+    done = _run(["-c", script])
+    assert done.returncode == 0, f"{document}:\n{done.stdout[-2000:]}\n{done.stderr}"
+    assert "Traceback" not in done.stderr and f"--- block {len(blocks) - 1}" in done.stdout
