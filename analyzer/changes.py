@@ -27,11 +27,18 @@ class ChangedLines:
     lines: dict[str, set[int]] = field(default_factory=dict)  # root-relative path -> changed new-side lines
     whole_files: set[str] = field(default_factory=set)  # untracked files
 
+    def touches_path(self, path: str) -> bool:
+        """Whether the file (or, for a directory, anything under it) changed at all."""
+        if path in self.whole_files or self.lines.get(path):
+            return True
+        prefix = path.rstrip("/") + "/"
+        return any(p.startswith(prefix) for p in (*self.lines, *self.whole_files))
+
     def touches(self, finding: Finding) -> bool:
         if finding.path in self.whole_files:
             return True
         changed = self.lines.get(finding.path)
-        return bool(changed) and any(
+        return changed is not None and any(
             n in changed for n in range(finding.line, max(finding.line, finding.end_line) + 1)
         )
 
@@ -44,7 +51,8 @@ def _git(args: Sequence[str], cwd: Path) -> str:
     except FileNotFoundError as exc:
         raise ChangesError("git is not installed") from exc
     if done.returncode != 0:
-        raise ChangesError(f"git {' '.join(args)} failed: {done.stderr.strip()}")
+        reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        raise ChangesError(f"git {' '.join(args)} failed: {reason}")
     return done.stdout
 
 
@@ -81,8 +89,18 @@ def parse_diff(text: str) -> dict[str, set[int]]:
 
 
 def changed_lines(rev: str, root: Path) -> ChangedLines:
-    top = Path(_git(["rev-parse", "--show-toplevel"], root).strip())
-    _git(["rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], top)
+    """Raises ChangesError with a one-line reason: git missing, not a work tree, REV not a commit."""
+    try:
+        top = Path(_git(["rev-parse", "--show-toplevel"], root).strip())
+    except ChangesError as exc:
+        raise ChangesError(f"--diff-only {rev}: {root} is not inside a git work tree ({exc})") from None
+    try:
+        _git(["rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], top)
+    except ChangesError:
+        raise ChangesError(
+            f"--diff-only {rev}: no such commit in {top} (a branch, tag or commit id, e.g. origin/main; "
+            "a shallow CI clone may need `git fetch` of that revision)"
+        ) from None
     diff = _git(["diff", "-U0", "--no-color", "--no-ext-diff", rev, "--"], top)
     untracked = _git(["ls-files", "--others", "--exclude-standard", "-z"], top)
 

@@ -1,7 +1,10 @@
 """`maingrad check`, `maingrad fix`, `maingrad rules`, `maingrad explain`.
 
-Exit codes: 0 no findings, 1 findings (or, with --diff, changes to apply), 2 usage, configuration or
-internal error. libcst is imported only when some file actually has to be parsed.
+Exit codes (also in `check --help`, `fix --help` and the README): 0 no findings and every file analyzed,
+1 findings or a path that could not be analyzed (MG999) (with --diff: changes to apply), 2 usage,
+configuration or internal error. Every error is one line on stderr (`maingrad: error: ...`), never a
+traceback (set MAINGRAD_DEBUG=1 to get one for an internal error). libcst is imported only when some file
+actually has to be parsed.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,17 +30,43 @@ from maingrad.contracts.report import Severity
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 
+CHECK_EXIT_CODES = """\
+exit codes:
+  0  no findings, and every file was analyzed
+  1  findings, or a path that could not be read, decoded or parsed (MG999); with --diff: fixes to apply
+  2  usage, configuration or internal error (e.g. a rule failed on a file)
+--exit-zero turns 1 into 0."""
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+FIX_EXIT_CODES = """\
+exit codes:
+  0  nothing left to report after fixing (with --diff: nothing to fix)
+  1  findings remain, or a path could not be analyzed (MG999); with --diff: fixes to apply
+  2  usage, configuration or internal error (e.g. a fix failed on a file)
+Unsafe fixes (listed as hidden fixes) are applied only with --unsafe-fixes."""
+
+# Explicitly named files are analyzed only when they are Python source: these suffixes, the configured
+# `include` patterns, or a script whose first line is a python shebang.
+PYTHON_SUFFIXES = (".py", ".pyi")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
     check = subparsers.add_parser(
-        "check", help="find main_grad contract bugs", description="Find main_grad contract bugs."
+        "check",
+        help="find main_grad contract bugs",
+        description="Find main_grad contract bugs.",
+        epilog=CHECK_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_scan_arguments(check)
     check.add_argument("--fix", action="store_true", help="apply fixes, then report what is left")
     check.set_defaults(handler=run_check, fix_command=False)
 
     fix = subparsers.add_parser(
-        "fix", help="apply fixes", description="Apply fixes, then report what is left."
+        "fix",
+        help="apply fixes",
+        description="Apply fixes, then report what is left.",
+        epilog=FIX_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_scan_arguments(fix)
     fix.set_defaults(handler=run_check, fix_command=True, fix=True)
@@ -46,8 +75,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     rules.add_argument("--format", choices=("text", "json"), default="text")
     rules.set_defaults(handler=run_rules)
 
-    explain = subparsers.add_parser("explain", help="print a rule's documentation")
-    explain.add_argument("rule", metavar="RULE", help="rule id, e.g. MG001")
+    explain = subparsers.add_parser(
+        "explain", help="print a rule's documentation", description="Print a rule's documentation."
+    )
+    explain.add_argument("rule", metavar="RULE", help="rule id or name, e.g. MG001")
+    explain.add_argument(
+        "--format",
+        choices=("terminal", "markdown"),
+        default="terminal",
+        help="terminal: rendered (default; plain text when not on a terminal); markdown: the page's source",
+    )
     explain.set_defaults(handler=run_explain)
 
 
@@ -85,7 +122,10 @@ def _add_scan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--baseline", type=Path, metavar="FILE", help="only findings not in this baseline")
     parser.add_argument(
-        "--write-baseline", type=Path, metavar="FILE", help="record the current findings and exit 0"
+        "--write-baseline",
+        type=Path,
+        metavar="FILE",
+        help="record the current findings and exit 0 (1 when a path could not be analyzed)",
     )
     parser.add_argument("--statistics", action="store_true", help="print counts per rule instead of findings")
     parser.add_argument("--quiet", "-q", action="store_true", help="findings only: no summary, no progress")
@@ -142,19 +182,79 @@ def run_check(args: argparse.Namespace) -> int:
         return _error(str(exc))
     except OSError as exc:  # e.g. --output into a missing directory
         return _error(f"{exc.filename or ''}: {exc.strerror or exc}")
-    except Exception:  # a bug in maingrad: say so, with the traceback, and exit 2 (never 0 or 1)
+    except Exception as exc:  # a bug in maingrad: say so in one line and exit 2 (never 0 or 1)
+        return _internal_error(exc)
+
+
+def _internal_error(exc: BaseException) -> int:
+    if os.environ.get("MAINGRAD_DEBUG"):
         import traceback
 
         traceback.print_exc()
-        return _error("internal error (please report it with the traceback above)")
+    return _error(
+        f"internal error: {type(exc).__name__}: {exc} (please report it; MAINGRAD_DEBUG=1 shows the traceback)"
+    )
+
+
+def _is_python(path: Path, relpath: str, include: Sequence[str]) -> bool:
+    if path.suffix in PYTHON_SUFFIXES:
+        return True
+    from maingrad.analyzer.discovery import _spec
+
+    spec = _spec(include)
+    if spec is not None and spec.match_file(relpath):
+        return True
+    if path.suffix:
+        return False
+    try:
+        with path.open("rb") as handle:
+            first = handle.readline(200)
+    except OSError:
+        return True  # let the scan report why it cannot be read (MG999)
+    return first.startswith(b"#!") and b"python" in first
+
+
+def _refuse_non_python(paths: Sequence[Path], config: Config) -> None:
+    from maingrad.analyzer.discovery import relpath_of
+
+    for path in paths:
+        if path.is_dir():
+            continue
+        if not _is_python(path, relpath_of(path.resolve(), config.root), config.include):
+            raise ConfigError(
+                f"{path}: not a Python file (expected {' or '.join('*' + s for s in PYTHON_SUFFIXES)}, "
+                "a python script, or a pattern under [tool.maingrad] include); nothing was checked"
+            )
+
+
+def _scan_settings(args: argparse.Namespace, config: Config, catalog: tuple[Any, ...]) -> Any:
+    """The selected rules and per-file settings, after validating every rule code the user gave."""
+    from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID
+    from maingrad.analyzer.runner import ScanSettings
+
+    known = tuple(r.id for r in catalog)
+    if args.select:
+        check_codes(args.select, known, "--select")
+    if args.ignore:
+        check_codes(args.ignore, known, "--ignore")
+    validate_codes(config, (*known, UNUSED_SUPPRESSION_ID))
+    selected = set(config.selected(known))
+    return ScanSettings(
+        rules=tuple(r for r in catalog if r.id in selected),
+        known_ids=known,
+        per_file_ignores=tuple(config.per_file_ignores.items()),
+        severities=tuple(sorted((k, v.value) for k, v in config.severity.items())),
+        exposure_helpers=config.exposure_helpers,
+        warn_unused_ignores=config.warn_unused_ignores,
+    )
 
 
 def _run_check(args: argparse.Namespace) -> int:
     from maingrad.analyzer.cache import ResultCache, cache_dir, settings_key
-    from maingrad.analyzer.catalog import UNUSED_SUPPRESSION_ID, load_catalog
+    from maingrad.analyzer.catalog import load_catalog
     from maingrad.analyzer.discovery import discover
-    from maingrad.analyzer.reporters import OutputOptions, render
-    from maingrad.analyzer.runner import ScanSettings, scan
+    from maingrad.analyzer.runner import scan
+    from maingrad.contracts.report import ParseError
 
     paths = list(args.paths) or [Path(".")]
     for path in paths:
@@ -163,24 +263,12 @@ def _run_check(args: argparse.Namespace) -> int:
     config = load_config(paths, args.config).with_overrides(
         select=args.select, ignore=args.ignore, warn_unused_ignores=args.warn_unused_ignores
     )
+    _refuse_non_python(paths, config)
     jobs = _jobs(args.jobs)
     directory = None if args.no_cache else cache_dir(config.root)
     catalog = load_catalog(directory)
-    known = tuple(r.id for r in catalog)
-    if args.select:
-        check_codes(args.select, known, "--select")
-    if args.ignore:
-        check_codes(args.ignore, known, "--ignore")
-    validate_codes(config, (*known, UNUSED_SUPPRESSION_ID))
-    selected = set(config.selected(known))
-    settings = ScanSettings(
-        rules=tuple(r for r in catalog if r.id in selected),
-        known_ids=known,
-        per_file_ignores=tuple(config.per_file_ignores.items()),
-        severities=tuple(sorted((k, v.value) for k, v in config.severity.items())),
-        exposure_helpers=config.exposure_helpers,
-        warn_unused_ignores=config.warn_unused_ignores,
-    )
+    settings = _scan_settings(args, config, catalog)
+    skipped: list[ParseError] = []
     files = discover(
         paths,
         config.root,
@@ -188,25 +276,39 @@ def _run_check(args: argparse.Namespace) -> int:
         config.exclude,
         respect_gitignore=not args.no_respect_gitignore,
         force_exclude=args.force_exclude,
+        skipped=skipped,
     )
-    progress = not (args.quiet or args.no_progress)
-
-    fix_status = EXIT_OK
-    if args.fix or args.diff:
-        fix_status = _apply_fixes(args, files, settings, jobs, progress)
-        if args.diff:
-            return fix_status
-    cache = ResultCache(directory, settings_key(settings.cache_settings())) if directory is not None else None
-    result = scan(files, settings, jobs=jobs, cache=cache, show_progress=progress)
-    report = result.report
-    if args.diff_only:
+    changed = None
+    if args.diff_only:  # before any work: a bad revision is a usage error
         from maingrad.analyzer.changes import ChangesError, changed_lines
 
         try:
             changed = changed_lines(args.diff_only, config.root)
         except ChangesError as exc:
             return _error(str(exc))
+    progress = not (args.quiet or args.no_progress)
+
+    def cache() -> ResultCache | None:
+        if directory is None:
+            return None
+        return ResultCache(directory, settings_key(settings.cache_settings()))
+
+    fix_status = EXIT_OK
+    if args.fix or args.diff:
+        fix_status, would_fix = _apply_fixes(args, files, settings, jobs, progress)
+        if args.diff:
+            if not args.quiet:
+                hidden = 0
+                if not args.unsafe_fixes:  # what --unsafe-fixes would add (findings with an unsafe fix)
+                    found = scan(files, settings, jobs=jobs, cache=cache(), show_progress=progress)
+                    hidden = sum(1 for f in found.report.findings if f.fix_applicability == "unsafe")
+                print(_would_fix(would_fix, hidden), file=sys.stderr)
+            return fix_status
+    result = scan(files, settings, jobs=jobs, cache=cache(), show_progress=progress, skipped=skipped)
+    report = result.report
+    if changed is not None:
         report.findings = [f for f in report.findings if changed.touches(f)]
+        report.parse_errors = [e for e in report.parse_errors if changed.touches_path(e.path)]
     if args.write_baseline:
         from maingrad.analyzer.baseline import write_baseline
 
@@ -216,7 +318,7 @@ def _run_check(args: argparse.Namespace) -> int:
                 f"Wrote a baseline of {len(report.findings)} findings to {args.write_baseline}",
                 file=sys.stderr,
             )
-        return EXIT_ERROR if result.internal_errors else EXIT_OK
+        return _errors_to_stderr(report, config, args) or EXIT_OK
     if args.baseline:
         from maingrad.analyzer.baseline import BaselineError, load_baseline, new_findings
 
@@ -224,14 +326,35 @@ def _run_check(args: argparse.Namespace) -> int:
             report.findings = new_findings(report.findings, load_baseline(args.baseline))
         except BaselineError as exc:
             return _error(str(exc))
+    _write_report(args, config, catalog, settings, report)
+    if result.internal_errors or fix_status == EXIT_ERROR:
+        return EXIT_ERROR
+    if (report.findings or report.parse_errors) and not args.exit_zero:
+        return EXIT_FINDINGS
+    return EXIT_OK
+
+
+def _would_fix(files: int, hidden: int) -> str:
+    message = f"Would fix {files} file{'s' if files != 1 else ''}"
+    if hidden:
+        message += f" ({hidden} hidden fix{'es' if hidden != 1 else ''} can be enabled with `--unsafe-fixes`)"
+    return message + "."
+
+
+def _write_report(
+    args: argparse.Namespace, config: Config, catalog: tuple[Any, ...], settings: Any, report: Any
+) -> None:
+    """Render the report in the requested format to --output or stdout, piece by piece."""
+    from maingrad.analyzer.reporters import OutputOptions, iter_render
 
     to_file = args.output is not None
     stream = sys.stdout
-    meta = tuple(r for r in catalog if r.id in selected)
+    meta = tuple(settings.rules)
     if config.warn_unused_ignores:
         from maingrad.analyzer.catalog import UNUSED_SUPPRESSION
 
         meta = (UNUSED_SUPPRESSION, *meta)
+    applied = ("safe", "unsafe") if args.unsafe_fixes else ("safe",)
     options = OutputOptions(
         root=config.root,
         color=not to_file and _want_color(stream),
@@ -239,33 +362,61 @@ def _run_check(args: argparse.Namespace) -> int:
         statistics=args.statistics,
         quiet=args.quiet,
         rules=meta,
-        fixable=frozenset(f.fingerprint for f in report.findings if f.fix_available),
+        fixable=frozenset(f.fingerprint for f in report.findings if f.fix_applicability in applied),
+        hidden_fixes=0
+        if args.unsafe_fixes
+        else sum(1 for f in report.findings if f.fix_applicability == "unsafe"),
     )
     fmt = "text" if args.statistics else args.format
-    text = render(fmt, report, options)
+    pieces = iter_render(fmt, report, options)  # written piece by piece: never the whole text at once
     if to_file:
-        from maingrad.analyzer.fileio import atomic_write
+        from maingrad.analyzer.fileio import atomic_writer
 
-        atomic_write(args.output, text.encode("utf-8"))
+        with atomic_writer(args.output) as handle:
+            for batch in _batches(pieces):
+                handle.write(batch.encode("utf-8"))
+        _errors_to_stderr(report, config, args)
     else:
-        stream.write(text)
+        for batch in _batches(pieces):
+            stream.write(batch)
         stream.flush()
-    if report.parse_errors and (fmt == "text" or to_file) and not args.quiet:
+
+
+def _batches(pieces: Iterator[str], size: int = 1 << 16) -> Iterator[str]:
+    """Join small pieces into writes of about `size` characters."""
+    buffer: list[str] = []
+    length = 0
+    for piece in pieces:
+        buffer.append(piece)
+        length += len(piece)
+        if length >= size:
+            yield "".join(buffer)
+            buffer, length = [], 0
+    if buffer:
+        yield "".join(buffer)
+
+
+def _errors_to_stderr(report: Any, config: Config, args: argparse.Namespace) -> int:
+    """Print the MG999 diagnostics on stderr (when the report itself does not go to the terminal); the
+    exit code they call for (2 when a rule failed, 1 otherwise, 0 when there are none)."""
+    if not report.parse_errors:
+        return EXIT_OK
+    if not args.quiet:
+        from maingrad.analyzer.reporters import OutputOptions
         from maingrad.analyzer.reporters.text import render_errors
 
         sys.stderr.write(
-            render_errors(report, options.__class__(root=config.root, color=_want_color(sys.stderr)))
+            render_errors(report, OutputOptions(root=config.root, color=_want_color(sys.stderr)))
         )
-    if result.internal_errors or fix_status == EXIT_ERROR:
+    if any(e.internal for e in report.parse_errors):
         return EXIT_ERROR
-    if report.findings and not args.exit_zero:
-        return EXIT_FINDINGS
-    return EXIT_OK
+    return EXIT_OK if args.exit_zero else EXIT_FINDINGS
 
 
 def _apply_fixes(
     args: argparse.Namespace, files: Sequence[Any], settings: Any, jobs: int, progress: bool
-) -> int:
+) -> tuple[int, int]:
+    """Apply (or, with --diff, print) the fixes; (exit status, number of files changed)."""
     from maingrad.analyzer.fixer import fix_files, write_fixes
 
     outcomes = fix_files(files, settings, unsafe=args.unsafe_fixes, jobs=jobs, show_progress=progress)
@@ -275,24 +426,24 @@ def _apply_fixes(
                 f"maingrad: error: fixing {outcome.source.relpath} failed: {outcome.error}", file=sys.stderr
             )
     changed = [o for o in outcomes if o.changed]
+    failed = any(o.error for o in outcomes)
     if args.diff:
         for outcome in changed:
             sys.stdout.write(outcome.diff())
-        if not args.quiet:
-            print(f"Would fix {len(changed)} file{'s' if len(changed) != 1 else ''}.", file=sys.stderr)
-        if any(o.error for o in outcomes):
-            return EXIT_ERROR
-        return EXIT_FINDINGS if changed and not args.exit_zero else EXIT_OK
+        if failed:
+            return EXIT_ERROR, len(changed)
+        return (EXIT_FINDINGS if changed and not args.exit_zero else EXIT_OK), len(changed)
     written = write_fixes(changed)
     if not args.quiet and written:
         print(f"Fixed {written} file{'s' if written != 1 else ''}.", file=sys.stderr)
-    return EXIT_ERROR if any(o.error for o in outcomes) else EXIT_OK
+    return (EXIT_ERROR if failed else EXIT_OK), written
 
 
 def _all_rules_meta() -> tuple[Any, ...]:
     from maingrad.analyzer.catalog import UNUSED_SUPPRESSION, load_catalog
+    from maingrad.analyzer.not_analyzed import NOT_ANALYZED
 
-    return (UNUSED_SUPPRESSION, *load_catalog(None))
+    return (UNUSED_SUPPRESSION, *load_catalog(None), NOT_ANALYZED)
 
 
 def run_rules(args: argparse.Namespace) -> int:
@@ -309,15 +460,34 @@ def run_rules(args: argparse.Namespace) -> int:
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    from maingrad.analyzer.docs import render_page
+    from maingrad.analyzer.docs import render_markdown
 
     wanted = args.rule.strip().upper()
-    for rule in _all_rules_meta():
+    rules = _all_rules_meta()
+    for rule in rules:
         if rule.id == wanted or rule.name == args.rule.strip():
-            sys.stdout.write(render_page(rule))
+            markdown = render_markdown(rule)
+            if args.format == "markdown":
+                sys.stdout.write(markdown)
+            else:
+                _print_markdown(markdown)
             return EXIT_OK
-    known = ", ".join(r.id for r in _all_rules_meta())
+    known = ", ".join(r.id for r in rules)
     return _error(f"unknown rule {args.rule!r} (known: {known})")
+
+
+def _print_markdown(markdown: str) -> None:
+    """Markdown rendered by rich: styled on a terminal, plain text (no escape codes) in a pipe."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    console = Console(
+        file=sys.stdout,
+        no_color=bool(os.environ.get("NO_COLOR")),
+        force_terminal=bool(os.environ.get("FORCE_COLOR")) or None,
+        width=None if _want_color(sys.stdout) else 100,
+    )
+    console.print(Markdown(markdown, code_theme="ansi_dark"))
 
 
 __all__ = ["register", "run_check", "run_rules", "run_explain", "Severity"]

@@ -1,6 +1,8 @@
 """Which files to scan: .py files under the given paths, minus what .gitignore and `exclude` rule out.
 
-Explicitly named files are always scanned (unless `force_exclude`, for pre-commit, which passes every
+Directories that cannot be listed (and entries whose type cannot be read) are never fatal: they are
+collected into `skipped` so that the report says what was not analyzed (MG999), instead of passing it
+silently. Explicitly named files are always scanned (unless `force_exclude`, for pre-commit, which passes every
 changed file). An explicitly named directory is scanned even when an `exclude` or .gitignore pattern
 covers the directory as a whole (`maingrad check examples/` with `exclude = ["examples/**"]`): patterns
 that exclude the named directory itself are dropped below it; all other patterns still apply.
@@ -14,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from maingrad.contracts.report import NotAnalyzed, ParseError
 
 if TYPE_CHECKING:
     import pathspec
@@ -143,8 +147,11 @@ def discover(
     exclude: Sequence[str] = (),
     respect_gitignore: bool = True,
     force_exclude: bool = False,
+    skipped: list[ParseError] | None = None,
 ) -> list[SourceFile]:
-    """Files to scan, sorted by relative path, without duplicates. Missing paths raise FileNotFoundError."""
+    """Files to scan, sorted by relative path, without duplicates. Missing paths raise FileNotFoundError.
+    Directories (or entries) that could not be read are appended to `skipped` when it is given."""
+    skipped = skipped if skipped is not None else []
     root = root.resolve()
     include_spec = _spec(include)
     gitignores = _GitIgnores(respect_gitignore)
@@ -163,7 +170,7 @@ def discover(
         stack = gitignores.ancestors(path)
         if stack and _ignored(stack, path, True):
             stack = [(path, s) for d, s in stack if d == path]  # the named directory itself is ignored
-        _walk(path, root, include_spec, exclude_spec, gitignores, stack, found)
+        _walk(path, root, include_spec, exclude_spec, gitignores, stack, found, skipped)
     return [found[key] for key in sorted(found)]
 
 
@@ -183,16 +190,24 @@ def _walk(
     gitignores: _GitIgnores,
     stack: list[tuple[Path, pathspec.PathSpec]],
     found: dict[str, SourceFile],
+    skipped: list[ParseError],
 ) -> None:
     try:
-        entries = sorted(os.scandir(directory), key=lambda e: e.name)
-    except OSError:
-        return  # unreadable directories are skipped, never fatal
+        with os.scandir(directory) as iterator:
+            entries = sorted(iterator, key=lambda e: e.name)
+    except OSError as exc:  # never fatal, never silent
+        message = f"cannot read directory: {exc.strerror or exc}; its files were not analyzed"
+        skipped.append(ParseError(relpath_of(directory, root), message, kind=NotAnalyzed.DIRECTORY))
+        return
     for entry in entries:
         try:
             is_dir = entry.is_dir(follow_symlinks=False)
             is_file = not is_dir and entry.is_file()
-        except OSError:
+        except OSError as exc:
+            message = f"cannot read directory entry: {exc.strerror or exc}"
+            skipped.append(
+                ParseError(relpath_of(Path(entry.path), root), message, kind=NotAnalyzed.DIRECTORY)
+            )
             continue
         if not (is_dir or is_file):
             continue
@@ -214,6 +229,7 @@ def _walk(
                 gitignores,
                 [*stack, (path, own)] if own else stack,
                 found,
+                skipped,
             )
         else:
             if include_spec is not None and not include_spec.match_file(rel):

@@ -10,6 +10,8 @@ like a file no needle matches. `gate=False` (or `MAINGRAD_NO_GATE=1`) skips the 
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +21,10 @@ from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.positions import LazyPositions
 from maingrad.analyzer.rules.base import Fix, Rule, Violation
+from maingrad.analyzer.segments import Piece
+from maingrad.analyzer.segments import min_chars as min_segment_chars
+from maingrad.analyzer.segments import pieces as segment_pieces
+from maingrad.analyzer.segments import split as split_segments
 from maingrad.analyzer.syntax_index import build_index, gate_enabled
 from maingrad.contracts.report import Finding, ParseError, Severity, fingerprint
 
@@ -58,11 +64,23 @@ def gated_rules(
     index and every rule passes (libcst then parses it and reports its error as without the gate). A gate
     that raises propagates (tests see gate bugs) unless `catch_gate_errors`: then its rule passes, which
     is always sound."""
+    return _gate(source, path, rules, settings, gate, catch_gate_errors)[0]
+
+
+def _gate(
+    source: str,
+    path: str,
+    rules: Sequence[Rule],
+    settings: RuleSettings,
+    gate: bool | None,
+    catch_gate_errors: bool,
+) -> tuple[list[Rule], ast.Module | None]:
+    """`gated_rules`, plus the stdlib tree the gate parsed (positions reuse it), when it parsed one."""
     if not rules or not gate_enabled(gate) or not any(rule.has_gate() for rule in rules):
-        return list(rules)
+        return list(rules), None
     index = build_index(source, path)
     if index is None:
-        return list(rules)
+        return list(rules), None
     passed: list[Rule] = []
     for rule in rules:
         try:
@@ -73,20 +91,42 @@ def gated_rules(
             keep = True
         if keep:
             passed.append(rule)
-    return passed
+    return passed, index.tree
 
 
 def parse(source: str, path: str) -> cst.Module | ParseError:
     try:
         return cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
-        return ParseError(
-            path=path, message=f"syntax error: {exc.message}", line=exc.raw_line, column=exc.raw_column + 1
-        )
+        return _syntax_error(source, path, exc)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # exotic input: other libcst errors, even a native parser panic
-        return ParseError(path=path, message=f"{type(exc).__name__}: {exc}")
+        return ParseError(path=path, message=f"cannot parse: {type(exc).__name__}: {exc}", line=1, column=1)
+
+
+_LIBCST_WHERE = re.compile(r"^parser error: error at (\d+):(\d+): ")
+
+
+def _syntax_error(source: str, path: str, exc: cst.ParserSyntaxError) -> ParseError:
+    """The interpreter's own message and position when it rejects the file too (they name the cause:
+    "'(' was never closed"), else libcst's, at the position its message gives (its `raw_line` points at
+    the start of the statement, not at the error)."""
+    try:
+        ast.parse(source)
+    except SyntaxError as error:
+        if error.lineno:
+            return ParseError(path, f"syntax error: {error.msg}", error.lineno, max(1, error.offset or 1))
+    except (ValueError, RecursionError, MemoryError):
+        pass
+    message = exc.message
+    match = _LIBCST_WHERE.match(message)
+    if match:
+        line, column = int(match.group(1)), int(match.group(2)) + 1
+        message = message[match.end() :]
+    else:
+        line, column = exc.raw_line, exc.raw_column + 1
+    return ParseError(path, f"syntax error: {message}", line, column)
 
 
 def analyze_source(
@@ -101,9 +141,13 @@ def analyze_source(
     """Findings of `rules` on one file. A rule that raises propagates (tests see rule bugs) unless
     `catch_rule_errors`, where the scan records it in `rule_errors` and keeps the other rules' findings.
     `gate`: apply the syntax gate (default: unless `MAINGRAD_NO_GATE` is set)."""
-    result = FileResult(path=path)
     settings = settings or RuleSettings()
-    active = gated_rules(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
+    if len(source) >= min_segment_chars():
+        segmented = _analyze_segmented(source, path, rules, settings, severities, catch_rule_errors, gate)
+        if segmented is not None:
+            return segmented
+    result = FileResult(path=path)
+    active, tree = _gate(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
     if not active:
         return result
     parsed = parse(source, path)
@@ -112,6 +156,17 @@ def analyze_source(
         return result
     result.parsed = True
     ctx = FileContext(path=path, source=source, module=parsed, settings=settings)
+    collected = _run_rules(ctx, active, catch_rule_errors, result)
+    if collected:
+        result.findings, result.fixes, result.anchors = _to_findings(
+            ctx, collected, severities or {}, tree=tree
+        )
+    return result
+
+
+def _run_rules(
+    ctx: FileContext, active: Sequence[Rule], catch_rule_errors: bool, result: FileResult
+) -> list[tuple[Rule, Violation]]:
     collected: list[tuple[Rule, Violation]] = []
     for rule in active:
         if not catch_rule_errors:
@@ -123,12 +178,53 @@ def analyze_source(
             result.rule_errors.append(f"{rule.id}: {type(exc).__name__}: {exc}")
             continue
         collected.extend((rule, violation) for violation in violations)
-    if collected:
-        result.findings, result.fixes, result.anchors = _to_findings(ctx, collected, severities or {})
+    return collected
+
+
+def _analyze_segmented(
+    source: str,
+    path: str,
+    rules: Sequence[Rule],
+    settings: RuleSettings,
+    severities: dict[str, Severity] | None,
+    catch_rule_errors: bool,
+    gate: bool | None,
+) -> FileResult | None:
+    """A large file analyzed piece by piece (see `maingrad.analyzer.segments`); None when it cannot be
+    split (a syntax error somewhere), and the caller then analyzes it whole."""
+    result = FileResult(path=path)
+    needed = needed_rules(source, rules)
+    if not needed:
+        return result
+    chunks = split_segments(source)
+    if chunks is None:
+        return None
+    seen: dict[tuple[str, str], int] = {}
+    for piece in segment_pieces(source, chunks, lambda text: bool(needed_rules(text, needed))):
+        active, tree = _gate(
+            piece.source, path, needed_rules(piece.source, needed), settings, gate, catch_rule_errors
+        )
+        if not active:
+            continue
+        parsed = parse(piece.source, path)
+        if isinstance(parsed, ParseError):  # libcst rejects what `ast` accepted: report it where it is
+            line = piece.file_line(parsed.line) if parsed.line else None
+            result.parse_error = ParseError(path, parsed.message, line, parsed.column, parsed.kind)
+            result.findings, result.fixes, result.anchors = [], {}, {}
+            return result
+        result.parsed = True
+        ctx = FileContext(path=path, source=piece.source, module=parsed, settings=settings)
+        collected = _run_rules(ctx, active, catch_rule_errors, result)
+        if collected:
+            findings, fixes, anchors = _to_findings(ctx, collected, severities or {}, piece, seen, tree)
+            result.findings.extend(findings)
+            result.fixes.update(fixes)
+            result.anchors.update(anchors)
+        del ctx, parsed, collected, tree
     return result
 
 
-def _positions(ctx: FileContext) -> LazyPositions:
+def _positions(ctx: FileContext, tree: ast.Module | None = None) -> LazyPositions:
     """Positions that generate only the top-level statements holding reported nodes."""
 
     def top_level(node: cst.CSTNode) -> cst.CSTNode | None:
@@ -139,7 +235,16 @@ def _positions(ctx: FileContext) -> LazyPositions:
             current = ancestor
         return None  # the module itself, or a node outside the index (trivia)
 
-    return LazyPositions(ctx.module, ctx.source, top_level)
+    return LazyPositions(ctx.module, ctx.source, top_level, tree)
+
+
+def _code(ctx: FileContext, node: cst.CSTNode, positions: LazyPositions) -> str:
+    """`ctx.code(node)` from the source text: positions have generated the node's statement already (to
+    place the finding), and its span is exactly the text code generation would give, without generating
+    it again."""
+    start, end = positions.span(node)
+    text = ctx.source[start:end]
+    return text if text else ctx.code(node)
 
 
 def _statement_line(ctx: FileContext, node: cst.CSTNode, positions: LazyPositions) -> int | None:
@@ -150,11 +255,19 @@ def _statement_line(ctx: FileContext, node: cst.CSTNode, positions: LazyPosition
 
 
 def _to_findings(
-    ctx: FileContext, collected: Iterable[tuple[Rule, Violation]], severities: dict[str, Severity]
+    ctx: FileContext,
+    collected: Iterable[tuple[Rule, Violation]],
+    severities: dict[str, Severity],
+    piece: Piece | None = None,
+    seen: dict[tuple[str, str], int] | None = None,
+    tree: ast.Module | None = None,
 ) -> tuple[list[Finding], dict[str, Fix], dict[str, tuple[int, ...]]]:
-    positions = _positions(ctx)
+    """Findings of the collected violations. With `piece` (a part of a large file): only violations on the
+    piece's own lines, with lines mapped back to the file's; `seen` counts identical contexts across pieces
+    (for fingerprints). `tree`: the stdlib tree of the same source, when the gate parsed one."""
+    positions = _positions(ctx, tree)
     lines = ctx.source.splitlines()
-    seen: dict[tuple[str, str], int] = {}
+    seen = {} if seen is None else seen
     findings: list[Finding] = []
     fixes: dict[str, Fix] = {}
     anchors: dict[str, tuple[int, ...]] = {}
@@ -164,7 +277,9 @@ def _to_findings(
     )
     for rule, violation in ordered:
         where = positions[violation.node]
-        context = ctx.code(violation.context_node or violation.node)
+        if piece is not None and not piece.is_own(where.start.line):
+            continue  # context: its own piece reports it
+        context = _code(ctx, violation.context_node or violation.node, positions)
         key = (rule.id, " ".join(context.split()))
         occurrence = seen.get(key, 0)
         seen[key] = occurrence + 1
@@ -172,26 +287,32 @@ def _to_findings(
         # The flagged lines (capped: a finding on a whole class must not put the class into every report).
         last = min(where.end.line, where.start.line + SNIPPET_MAX_LINES - 1)
         snippet = "\n".join(lines[where.start.line - 1 : last]) if lines else ""
+        start_line, end_line = where.start.line, where.end.line
+        if piece is not None:
+            start_line, end_line = piece.file_line(start_line), piece.file_line(end_line)
         findings.append(
             Finding(
                 rule=rule.id,
                 severity=severities.get(rule.id, rule.severity),
                 path=ctx.path,
-                line=where.start.line,
+                line=start_line,
                 column=where.start.column + 1,
-                end_line=where.end.line,
+                end_line=end_line,
                 end_column=where.end.column + 1,
                 message=violation.message,
                 fingerprint=fp,
                 fix_available=violation.fix is not None,
                 snippet=snippet,
+                fix_applicability=None
+                if violation.fix is None
+                else ("safe" if violation.fix.safe else "unsafe"),
             )
         )
         if violation.fix is not None:
             fixes[fp] = violation.fix
         statement_line = _statement_line(ctx, violation.node, positions)
         if statement_line is not None and statement_line != where.start.line:
-            anchors[fp] = (statement_line,)
+            anchors[fp] = (piece.file_line(statement_line) if piece is not None else statement_line,)
     return findings, fixes, anchors
 
 

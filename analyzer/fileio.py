@@ -8,8 +8,10 @@ import io
 import os
 import tempfile
 import tokenize
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,13 @@ def decode_source(data: bytes) -> SourceText:
         return SourceText(data[len(codecs.BOM_UTF8) :].decode("utf-8"), "utf-8", True)
     try:
         return SourceText(data.decode("utf-8"), "utf-8", False)
-    except UnicodeDecodeError:
-        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except UnicodeDecodeError as not_utf8:
+        try:
+            encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        except SyntaxError as exc:
+            if "encoding problem" in str(exc) or "unknown encoding" in str(exc):
+                raise  # a cookie that names no codec, or a BOM that contradicts it
+            raise not_utf8 from None  # no cookie: the UTF-8 error says where the bad byte is
         if encoding in ("utf-8", "utf-8-sig"):
             raise
         return SourceText(data.decode(encoding), encoding, False)
@@ -41,6 +48,14 @@ def encode_source(source: SourceText, text: str) -> bytes:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write via a temporary file in the same directory and rename, keeping the file's mode: a crash or a
     concurrent reader never sees a half-written file."""
+    with atomic_writer(path) as handle:
+        handle.write(data)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
+    """`atomic_write` for content written in pieces: a binary handle on the temporary file, renamed over
+    `path` when the block ends without an exception (and removed when it raises)."""
     path = Path(path)
     mode: int | None = None
     with contextlib.suppress(OSError):
@@ -48,7 +63,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            yield handle
         if mode is None:  # a new file gets the permissions a plain open() would give it
             umask = os.umask(0)
             os.umask(umask)

@@ -109,8 +109,10 @@ class LazyPositions:
         module: cst.Module,
         source: str | None = None,
         top_level: Callable[[cst.CSTNode], cst.CSTNode | None] | None = None,
+        tree: ast.Module | None = None,
     ) -> None:
         self._module = module
+        self._tree = tree  # the stdlib tree of `source`, when the caller already has one
         self._source = source
         self._top_level = top_level
         self._ranges: dict[cst.CSTNode, tuple[int, int]] = {}
@@ -137,10 +139,12 @@ class LazyPositions:
             return self._starts
         self._starts = {}
         assert self._source is not None
-        try:
-            tree = ast.parse(self._source)
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            return self._starts
+        tree = self._tree
+        if tree is None:
+            try:
+                tree = ast.parse(self._source)
+            except (SyntaxError, ValueError, RecursionError, MemoryError):
+                return self._starts
         if self._line_starts is None:
             self._line_starts = [0, *(m.end() for m in _NEWLINE.finditer(self._source))]
         body, index = tree.body, 0

@@ -24,7 +24,7 @@ from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.progress import Progress
 from maingrad.analyzer.suppressions import MARKER, apply_suppressions, parse_suppressions, unused_findings
 from maingrad.analyzer.syntax_index import gate_enabled
-from maingrad.contracts.report import Finding, ParseError, Report, Severity
+from maingrad.contracts.report import Finding, NotAnalyzed, ParseError, Report, Severity
 
 # Below this many characters of source to parse, a process pool costs more than it saves.
 POOL_MIN_CHARS = 150_000
@@ -146,7 +146,7 @@ def analyze_text(relpath: str, text: str, rule_ids: tuple[str, ...]) -> dict[str
         return outcome
     outcome["parsed"] = result.parsed
     findings, outcome["suppressed"] = _suppress(relpath, text, result.findings, result.anchors, rule_ids)
-    outcome["findings"] = [f.to_dict() for f in findings]
+    outcome["findings"] = findings  # Finding objects (dicts only for the cache: see _cacheable)
     return outcome
 
 
@@ -230,13 +230,47 @@ def _read(source: SourceFile) -> tuple[bytes | None, str | None]:
         return None, f"cannot read file: {exc.strerror or exc}"
 
 
+def _decode(relpath: str, data: bytes) -> tuple[str | None, ParseError | None]:
+    """The file's text, or why it is not Python source text (with the line and column of the first bad
+    byte): undecodable in its declared encoding (UTF-8 by default), an unknown or malformed coding cookie,
+    or a NUL byte (which the interpreter refuses too)."""
+    try:
+        text = decode_source(data).text
+    except UnicodeDecodeError as exc:
+        line, column = _line_column(data, exc.start)
+        bad = data[exc.start : exc.start + 1].hex()
+        message = f"cannot decode file as {exc.encoding}: byte 0x{bad} ({exc.reason}); "
+        message += "re-encode it or declare its encoding (PEP 263 coding cookie)"
+        return None, ParseError(relpath, message, line, column, NotAnalyzed.DECODE)
+    except SyntaxError as exc:  # a malformed coding cookie
+        return None, ParseError(
+            relpath, f"cannot decode file: {exc.msg}", exc.lineno or 1, 1, NotAnalyzed.DECODE
+        )
+    except LookupError as exc:  # a coding cookie naming an unknown codec
+        return None, ParseError(relpath, f"cannot decode file: {exc}", 1, 1, NotAnalyzed.DECODE)
+    nul = text.find("\0")
+    if nul >= 0:
+        line = text.count("\n", 0, nul) + 1
+        column = nul - (text.rfind("\n", 0, nul) + 1) + 1
+        message = "cannot decode file: it contains a NUL byte (a binary file?)"
+        return None, ParseError(relpath, message, line, column, NotAnalyzed.DECODE)
+    return text, None
+
+
+def _line_column(data: bytes, offset: int) -> tuple[int, int]:
+    """1-based line and (byte) column of a byte offset."""
+    return data.count(b"\n", 0, offset) + 1, offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+
+
 def scan(
     files: Sequence[SourceFile],
     settings: ScanSettings,
     jobs: int | None = None,
     cache: ResultCache | None = None,
     show_progress: bool = False,
+    skipped: Sequence[ParseError] = (),
 ) -> ScanResult:
+    """Analyze `files`; `skipped`: what discovery could not read (reported as not analyzed)."""
     started = time.perf_counter()
     jobs = jobs or os.cpu_count() or 1
     file_rules = _FileRules(settings)
@@ -249,7 +283,8 @@ def scan(
     for source in files:
         data, error = _read(source)
         if data is None:
-            outcomes[source.relpath] = _error_outcome(source.relpath, error or "cannot read file")
+            failure = ParseError(source.relpath, error or "cannot read file", 1, 1, NotAnalyzed.READ)
+            outcomes[source.relpath] = _error_outcome(failure)
             continue
         digest = digests[source.relpath] = content_hash(data)
         cached = cache.get(source.relpath, digest) if cache is not None else None
@@ -257,10 +292,10 @@ def scan(
             outcomes[source.relpath] = cached
             hits += 1
             continue
-        try:
-            text = decode_source(data).text
-        except (UnicodeDecodeError, SyntaxError, LookupError) as exc:
-            outcomes[source.relpath] = _error_outcome(source.relpath, f"cannot decode file: {exc}")
+        text, undecodable = _decode(source.relpath, data)
+        if text is None:
+            assert undecodable is not None
+            outcomes[source.relpath] = _error_outcome(undecodable)
             continue
         ids = file_rules.for_path(source.relpath)
         if file_rules.needed(ids, text):
@@ -282,16 +317,34 @@ def scan(
     if cache is not None:
         for relpath, outcome in outcomes.items():
             if relpath in digests and not outcome.get("internal"):
-                cache.put(relpath, digests[relpath], outcome)
+                cacheable = _cacheable(outcome)
+                if cacheable is not None:
+                    cache.put(relpath, digests[relpath], cacheable)
         cache.save()
-    return _assemble(files, outcomes, settings, time.perf_counter() - started, hits)
+    result = _assemble(files, outcomes, settings, time.perf_counter() - started, hits)
+    if skipped:
+        result.report.parse_errors.extend(skipped)
+        result.report.parse_errors.sort(key=lambda e: (e.path, e.line or 0))
+    return result
 
 
-def _error_outcome(relpath: str, message: str) -> dict[str, Any]:
+# A file with more findings than this is not cached: its cache entry (one JSON document with every other
+# file's) would cost more memory than the report itself, and re-analyzing it is what its findings cost anyway.
+CACHE_MAX_FINDINGS = 10_000
+
+
+def _cacheable(outcome: dict[str, Any]) -> dict[str, Any] | None:
+    findings = outcome["findings"]
+    if len(findings) > CACHE_MAX_FINDINGS:
+        return None
+    return {**outcome, "findings": [f if isinstance(f, dict) else f.to_dict() for f in findings]}
+
+
+def _error_outcome(error: ParseError) -> dict[str, Any]:
     return {
         "parsed": False,
         "findings": [],
-        "parse_error": ParseError(relpath, message).to_dict(),
+        "parse_error": error.to_dict(),
         "internal": [],
         "suppressed": 0,
     }
@@ -310,7 +363,7 @@ def _unparsed_outcome(
     }
     if settings.warn_unused_ignores and MARKER in text:
         findings, _ = _suppress(relpath, text, [], {}, ids)
-        outcome["findings"] = [f.to_dict() for f in findings]
+        outcome["findings"] = findings
     return outcome
 
 
@@ -331,10 +384,13 @@ def _assemble(
         if outcome["parse_error"]:
             report.parse_errors.append(ParseError.from_dict(outcome["parse_error"]))
         for message in outcome["internal"]:
-            error = ParseError(source.relpath, message)
+            error = ParseError(source.relpath, message, kind=NotAnalyzed.INTERNAL)
             report.parse_errors.append(error)
             internal.append(error)
-        report.findings.extend(Finding.from_dict(f) for f in outcome["findings"])
+        report.findings.extend(
+            f if isinstance(f, Finding) else Finding.from_dict(f) for f in outcome["findings"]
+        )
+        outcome["findings"] = ()  # the report holds them now
         suppressed += outcome["suppressed"]
     report.findings.sort(key=lambda f: f.sort_key)
     severities = dict(settings.severities)

@@ -14,6 +14,14 @@ interleaved runs (the machine is shared; the minimum is the least disturbed run)
 - Fixit 2 with a one-visitor rule (a trivial `visit_Attribute`), written to a temporary directory.
 
 Targets (issue 2, acceptance 6): cold <= 1.5x the floor, warm <= 0.25 s, Fixit >= 20x slower than cold.
+
+Large files (`--large`, also run by default; `--large-only` runs just this section): time and peak RSS of
+`maingrad check` on two generated files, each process measured alone (peak RSS from wait4), against floors
+in the same run:
+- a 5 MB module with one finding-free `main_grad` mention: peak RSS <= 300 MB and time <= 2x a bare
+  `ast.parse` of it (the floor of any Python-level analyzer), `ruff check` printed beside it;
+- a module with 75,216 findings: time <= 2x a bare `libcst.parse_module` of it and peak RSS <= 300 MB +
+  2 KB per finding, for the text report on stdout and the JSON report written to a file.
 """
 
 from __future__ import annotations
@@ -114,10 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat", type=int, default=3, help="runs per measurement (best is kept); Fixit runs once"
     )
     parser.add_argument("--floor", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--skip-large", action="store_true", help="skip the large-file section")
+    parser.add_argument("--large-only", action="store_true", help="run only the large-file section")
     args = parser.parse_args(argv)
     if args.floor is not None:
         floor(args.floor, args.jobs)
         return 0
+    if args.large_only:
+        return large_files(max(1, args.repeat))
 
     if args.path is not None:
         source = args.path.resolve()
@@ -211,7 +223,148 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cold / ruff F401  = {cold / results['ruff F401']:6.1f}")
     if "fixit (1 rule)" in results:
         print(f"fixit / cold      = {results['fixit (1 rule)'] / cold:6.1f}   (target >= 20)")
+    if not args.skip_large:
+        print()
+        return large_files(max(1, args.repeat))
     return 0
+
+
+# Large files -----------------------------------------------------------------------------------------------
+FINDINGS_TARGET = 75_216  # 4 findings per generated function
+_CLEAN_FUNCTION = """def helper_{i}(x, y, scale={i}):
+    total = x * scale + y
+    if total > {m}:
+        return [total, x, y]
+    return {{"value": total, "index": {i}}}
+
+
+"""
+# Passes MG007's syntax gate (a write into main_grad), so the piece holding it is libcst-parsed and every
+# rule runs on it; the cast to main_grad.dtype makes it finding-free.
+_MENTION = """def accumulate(weight, grad):
+    weight.main_grad.add_(grad.to(weight.main_grad.dtype))
+    weight.grad_added_to_main_grad = True
+
+
+"""
+_FINDINGS_FUNCTION = """def step_{i}(p, g):
+    if p.main_grad:
+        p.main_grad.add_(g)
+    p.overwrite_main_grad = True
+    while not p.main_grad:
+        break
+    return p.main_grad or g
+
+
+"""
+
+
+def clean_file(size: int = 5_000_000) -> str:
+    """`size` characters of plain functions with one `main_grad` mention in the middle that no rule
+    reports (a dtype-correct in-place add into main_grad)."""
+    parts = ["import torch\n\n\n"]
+    total, i = 0, 0
+    while total < size:
+        part = _CLEAN_FUNCTION.format(i=i, m=i % 97)
+        parts.append(part)
+        total += len(part)
+        i += 1
+    parts.insert(len(parts) // 2, _MENTION)
+    return "".join(parts)
+
+
+def findings_file(findings: int = FINDINGS_TARGET) -> str:
+    """Functions with 4 findings each (MG003 x3, MG006 x1): `findings` findings in all."""
+    return "".join(_FINDINGS_FUNCTION.format(i=i) for i in range(findings // 4))
+
+
+def _measure(cmd: list[str], cwd: Path, stdout: int | None = subprocess.DEVNULL) -> tuple[float, float, int]:
+    """Wall seconds, peak RSS in MB (this process tree's largest process, from wait4) and exit code."""
+    start = time.perf_counter()
+    process = subprocess.Popen(cmd, cwd=cwd, stdout=stdout, stderr=subprocess.PIPE)
+    assert process.stderr is not None
+    _, status, usage = os.wait4(process.pid, 0)
+    elapsed = time.perf_counter() - start
+    process.returncode = os.waitstatus_to_exitcode(status)
+    err = process.stderr.read().decode(errors="replace")
+    if process.returncode not in (0, 1):
+        raise RuntimeError(f"{' '.join(cmd)} exited {process.returncode}:\n{err[-2000:]}")
+    return elapsed, usage.ru_maxrss / 1024, process.returncode
+
+
+def large_files(repeat: int = 2) -> int:
+    from ruff.__main__ import find_ruff_bin
+
+    python = sys.executable
+    check = [python, "-m", "maingrad.cli", "check", "--no-cache", "--no-progress"]
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="maingrad-large-") as tmp:
+        root = Path(tmp)
+        (root / "clean.py").write_text(clean_file(), encoding="utf-8")
+        (root / "findings.py").write_text(findings_file(), encoding="utf-8")
+        runs = {
+            "clean: ast.parse floor": [python, "-c", "import ast; ast.parse(open('clean.py').read())"],
+            "clean: maingrad check": [*check, "clean.py"],
+            "clean: ruff check": [find_ruff_bin(), "check", "--no-cache", "--isolated", "clean.py"],
+            "findings: libcst floor": [
+                python,
+                "-c",
+                "import libcst; libcst.parse_module(open('findings.py').read())",
+            ],
+            "findings: maingrad text": [*check, "findings.py"],
+            "findings: maingrad json -o": [*check, "findings.py", "--format", "json", "-o", "report.json"],
+        }
+        best: dict[str, tuple[float, float]] = {}
+        for _ in range(repeat):  # interleaved, best of `repeat` (a shared machine)
+            for name, cmd in runs.items():
+                seconds, rss, _ = _measure(cmd, root)
+                old = best.get(name)
+                best[name] = (min(seconds, old[0]), min(rss, old[1])) if old else (seconds, rss)
+        report = json.loads((root / "report.json").read_text())
+        clean = json.loads(
+            subprocess.run(
+                [*check, "clean.py", "--format", "json"], cwd=root, capture_output=True, text=True
+            ).stdout
+        )
+        sizes = {name: (root / name).stat().st_size / 1e6 for name in ("clean.py", "findings.py")}
+    found = len(report["findings"])
+    print(
+        f"large files: clean.py {sizes['clean.py']:.1f} MB ({len(clean['findings'])} findings, "
+        f"{clean['files_parsed']} libcst-parsed); findings.py {sizes['findings.py']:.1f} MB ({found} findings)"
+    )
+    print(f"{'run':<30}{'wall s':>10}{'peak MB':>10}")
+    for name, (seconds, rss) in best.items():
+        print(f"{name:<30}{seconds:>10.2f}{rss:>10.0f}")
+    print()
+    budget = 300 + 2 * found / 1024
+    checks = [
+        (
+            "clean: time / ast.parse",
+            best["clean: maingrad check"][0] / best["clean: ast.parse floor"][0],
+            2.0,
+        ),
+        ("clean: peak RSS MB", best["clean: maingrad check"][1], 300.0),
+        (
+            "findings text: time / libcst",
+            best["findings: maingrad text"][0] / best["findings: libcst floor"][0],
+            2.0,
+        ),
+        ("findings text: peak RSS MB", best["findings: maingrad text"][1], budget),
+        (
+            "findings json: time / libcst",
+            best["findings: maingrad json -o"][0] / best["findings: libcst floor"][0],
+            2.0,
+        ),
+        ("findings json: peak RSS MB", best["findings: maingrad json -o"][1], budget),
+    ]
+    for name, value, target in checks:
+        verdict = "ok" if value <= target else "MISSED"
+        ok &= value <= target
+        print(f"{name:<32}{value:>10.2f}   (target <= {target:.2f}) {verdict}")
+    if found != FINDINGS_TARGET or clean["findings"]:
+        print(f"unexpected finding counts: {found} (want {FINDINGS_TARGET}), clean {len(clean['findings'])}")
+        ok = False
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -54,6 +55,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handler(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `maingrad check | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 1
+    except Exception as exc:  # no subcommand may end in a traceback: one line, exit 2
+        if os.environ.get("MAINGRAD_DEBUG"):
+            raise
+        print(
+            f"maingrad: error: internal error: {type(exc).__name__}: {exc} "
+            "(please report it; MAINGRAD_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

@@ -4,14 +4,18 @@ JSON schema version 1 (documented in docs/report-format.md):
 
     {"version": 1, "tool": {"name": "maingrad", "version": "..."}, "root": ".",
      "files_scanned": int, "files_parsed": int,
-     "parse_errors": [{"path", "message", "line", "column"}],
+     "parse_errors": [{"path", "message", "line", "column", "kind", "code"}],
      "findings": [{"rule", "severity", "path", "line", "column", "end_line", "end_column", "message",
-                   "fingerprint", "fix_available", "snippet"}],
+                   "fingerprint", "fix_available", "fix_applicability", "snippet"}],
      "rules": [{"id", "name", "severity", "summary", "help_uri"}],
      "duration_s": float}
 
 Lines and columns are 1-based; `end_column` is exclusive. Paths are relative to the scan root, POSIX style.
 `fingerprint` never depends on line numbers: see `fingerprint()`.
+
+`parse_errors` lists what the analyzer could NOT analyze (code MG999: a file it could not read, decode or
+parse, a directory it could not list, a rule that failed on a file). A report with any of them is not clean
+(`Report.clean`): a file nobody analyzed may hold any finding, so a CI gate must not pass it as clean.
 """
 
 from __future__ import annotations
@@ -25,6 +29,21 @@ from typing import Any
 
 REPORT_VERSION = 1
 TOOL_NAME = "maingrad"
+
+# The diagnostic code of everything in `parse_errors`: a path that was not (fully) analyzed.
+NOT_ANALYZED_CODE = "MG999"
+
+
+class NotAnalyzed(str, Enum):
+    """Why a path was not analyzed (`ParseError.kind`)."""
+
+    READ = "read"  # the file could not be read (permission, I/O error, dangling link)
+    DECODE = (
+        "decode"  # not text in its declared encoding (binary, latin-1 without a coding cookie, NUL bytes)
+    )
+    SYNTAX = "syntax"  # not valid Python (only files some rule had to parse, i.e. that mention its needles)
+    DIRECTORY = "directory"  # a directory that could not be listed: its files were never seen
+    INTERNAL = "internal"  # maingrad itself failed on the file (a rule raised): exit code 2
 
 
 class Severity(str, Enum):
@@ -59,11 +78,25 @@ class Finding:
     fingerprint: str
     fix_available: bool = False
     snippet: str = ""
+    # "safe" (applied by `maingrad fix`), "unsafe" (only with --unsafe-fixes) or None (no fix).
+    fix_applicability: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["severity"] = self.severity.value
-        return data
+        # Spelled out (not dataclasses.asdict, which deep-copies every value): reports hold 10^5 findings.
+        return {
+            "rule": self.rule,
+            "severity": self.severity.value,
+            "path": self.path,
+            "line": self.line,
+            "column": self.column,
+            "end_line": self.end_line,
+            "end_column": self.end_column,
+            "message": self.message,
+            "fingerprint": self.fingerprint,
+            "fix_available": self.fix_available,
+            "snippet": self.snippet,
+            "fix_applicability": self.fix_applicability,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
@@ -79,6 +112,7 @@ class Finding:
             fingerprint=str(data["fingerprint"]),
             fix_available=bool(data.get("fix_available", False)),
             snippet=str(data.get("snippet", "")),
+            fix_applicability=_applicability(data),
         )
 
     @property
@@ -86,24 +120,60 @@ class Finding:
         return (self.path, self.line, self.column, self.rule)
 
 
+def _applicability(data: dict[str, Any]) -> str | None:
+    value = data.get("fix_applicability")
+    if value in ("safe", "unsafe"):
+        return str(value)
+    if value is None and data.get("fix_available"):
+        return "safe"  # written before the field existed: the fix was counted as fixable
+    return None
+
+
 @dataclass(frozen=True)
 class ParseError:
+    """A path that was not (fully) analyzed: diagnostic MG999 in every output format."""
+
     path: str
     message: str
     line: int | None = None
     column: int | None = None
+    kind: NotAnalyzed = NotAnalyzed.SYNTAX
+    code: str = NOT_ANALYZED_CODE
+
+    @property
+    def internal(self) -> bool:
+        return self.kind is NotAnalyzed.INTERNAL
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["kind"] = self.kind.value
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParseError:
+        message = str(data["message"])
+        kind = data.get("kind")
         return cls(
             path=str(data["path"]),
-            message=str(data["message"]),
+            message=message,
             line=data.get("line"),
             column=data.get("column"),
+            kind=NotAnalyzed(kind) if kind else _kind_of(message),
+            code=str(data.get("code") or NOT_ANALYZED_CODE),
         )
+
+
+def _kind_of(message: str) -> NotAnalyzed:
+    """The kind of an entry written before `kind` existed, from its message."""
+    for prefix, kind in (
+        ("internal error", NotAnalyzed.INTERNAL),
+        ("cannot read directory", NotAnalyzed.DIRECTORY),
+        ("cannot read", NotAnalyzed.READ),
+        ("cannot decode", NotAnalyzed.DECODE),
+    ):
+        if message.startswith(prefix):
+            return kind
+    return NotAnalyzed.SYNTAX
 
 
 @dataclass(frozen=True)
@@ -140,6 +210,11 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     rules: list[RuleInfo] = field(default_factory=list)
     duration_s: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        """No finding and nothing left unanalyzed: the only report a gate may pass as clean."""
+        return not self.findings and not self.parse_errors
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -61,16 +61,31 @@ class Summary:
         return data
 
     def table(self) -> str:
-        header = ("module", "kind", "params", "fwd", "bwd", "records", "exposed", "raised", "anomalies")
+        header = (
+            "module",
+            "kind",
+            "params",
+            "fwd",
+            "bwd",
+            "records",
+            "exposed",
+            "raised",
+            "anomalies",
+            "overwrite_main_grad seen",
+        )
         rows = [header]
+        any_overwrite = False
         for m in self.modules:
             anomalies = ", ".join(f"{k}={v}" for k, v in sorted(m.anomalies.items())) or "-"
+            seen = "-"
             if m.overwrite_seen:
+                any_overwrite = True
                 seen = " ".join(
-                    f"ow@{phase[:3]}[" + ",".join(f"{k}:{v}" for k, v in sorted(c.items())) + "]"
-                    for phase, c in sorted(m.overwrite_seen.items())
+                    f"{_PHASE.get(phase, phase)}=" + ",".join(f"{k}:{v}" for k, v in sorted(c.items()))
+                    for phase, c in sorted(
+                        m.overwrite_seen.items(), key=lambda kv: _PHASE_ORDER.get(kv[0], 9)
+                    )
                 )
-                anomalies = f"{anomalies}  {seen}"
             rows.append(
                 (
                     m.module or "(root)",
@@ -82,6 +97,7 @@ class Summary:
                     str(m.exposed),
                     str(m.raised),
                     anomalies,
+                    seen,
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
@@ -91,6 +107,11 @@ class Summary:
         ]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+        if any_overwrite:
+            lines.append(
+                "overwrite_main_grad seen: the flag's value in the records at forward (fwd) and backward (bwd), "
+                "as value:records; null = the parameter has no such attribute"
+            )
         for sink in self.sinks:
             lines.append("sink " + " ".join(f"{k}={v}" for k, v in sink.items() if v is not None))
         if self.last_error:
@@ -98,6 +119,10 @@ class Summary:
         return "\n".join(lines)
 
     __str__ = table
+
+
+_PHASE = {"forward": "fwd", "backward": "bwd"}
+_PHASE_ORDER = {"forward": 0, "backward": 1}
 
 
 def _flag(value: Any) -> str:

@@ -18,15 +18,26 @@ class OutputOptions:
     statistics: bool = False
     quiet: bool = False
     rules: tuple[RuleMeta, ...] = ()  # metadata (docs) of the reported rules, for SARIF help text
-    fixable: frozenset[str] = frozenset()  # fingerprints whose fix `maingrad fix` applies by default
+    fixable: frozenset[str] = (
+        frozenset()
+    )  # fingerprints whose fix `maingrad fix` applies (with the given flags)
+    hidden_fixes: int = 0  # findings with an unsafe fix that only `--unsafe-fixes` applies
+
+    _display: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def display_path(self, relpath: str) -> str:
-        """A report path as the user's shell sees it: relative to the working directory when under it."""
-        absolute = Path(os.path.normpath(self.root / relpath))
-        cwd = self.cwd.resolve()
-        if absolute == cwd or cwd in absolute.parents:
-            return absolute.relative_to(cwd).as_posix()
-        return str(absolute)
+        """A report path as the user's shell sees it: relative to the working directory when under it.
+        Cached per path: a file with many findings asks for the same path each time."""
+        shown = self._display.get(relpath)
+        if shown is None:
+            absolute = Path(os.path.normpath(self.root / relpath))
+            cwd = self.cwd.resolve()
+            if absolute == cwd or cwd in absolute.parents:
+                shown = absolute.relative_to(cwd).as_posix()
+            else:
+                shown = str(absolute)
+            self._display[relpath] = shown
+        return shown
 
     def rule_meta(self, rule_id: str) -> RuleMeta | None:
         return next((r for r in self.rules if r.id == rule_id), None)

@@ -7,7 +7,10 @@
   flagged source as the region's snippet.
 - `partialFingerprints` carry the analyzer's fingerprint, which never depends on line numbers, so a
   result keeps its identity when code moves.
-- Files that could not be analyzed are `toolExecutionNotifications` of the invocation.
+- Paths that could not be analyzed (MG999) are both: a result of rule `MG999` at the file's line (so code
+  scanning shows an alert on it, and the upload is not "clean"), and a `toolExecutionNotifications` entry of
+  the invocation (the tool-status view). A directory that could not be listed has no lines: notification
+  only. `executionSuccessful` is false when a rule itself failed (exit code 2).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import json
 from typing import Any
 from urllib.parse import quote
 
+from maingrad.analyzer.not_analyzed import NOT_ANALYZED
 from maingrad.analyzer.reporters.base import OutputOptions
-from maingrad.contracts.report import Report
+from maingrad.contracts.report import NotAnalyzed, ParseError, Report, RuleInfo, fingerprint
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_VERSION = "2.1.0"
@@ -36,12 +40,14 @@ def build_sarif(report: Report, options: OutputOptions) -> dict[str, Any]:
     infos = {r.id: r for r in report.rules}
     for finding in report.findings:  # rules that are reported but not listed still get a descriptor
         if finding.rule not in infos:
-            from maingrad.contracts.report import RuleInfo
-
             infos[finding.rule] = RuleInfo(finding.rule, finding.rule, finding.severity, "", "")
+    file_errors = [e for e in report.parse_errors if e.kind is not NotAnalyzed.DIRECTORY]
+    if report.parse_errors:
+        infos[NOT_ANALYZED.id] = NOT_ANALYZED.info()
+    metas = {NOT_ANALYZED.id: NOT_ANALYZED}
     for rule_id in sorted(infos):
         info = infos[rule_id]
-        meta = options.rule_meta(rule_id)
+        meta = options.rule_meta(rule_id) or metas.get(rule_id)
         help_text = meta.docs if meta is not None and meta.docs else info.summary
         descriptor: dict[str, Any] = {
             "id": info.id,
@@ -84,17 +90,27 @@ def build_sarif(report: Report, options: OutputOptions) -> dict[str, Any]:
                 "properties": {"fixAvailable": f.fix_available},
             }
         )
+    for e in file_errors:
+        results.append(
+            {
+                "ruleId": e.code,
+                "ruleIndex": index[e.code],
+                "level": "error",
+                "message": {"text": e.message},
+                "locations": [{"physicalLocation": _error_location(e, region_default=True)}],
+                "partialFingerprints": {FINGERPRINT_KEY: fingerprint(e.code, e.path, e.kind.value)},
+                "properties": {"kind": e.kind.value},
+            }
+        )
     notifications = []
     for e in report.parse_errors:
-        location: dict[str, Any] = {"artifactLocation": {"uri": _uri(e.path), "uriBaseId": SRCROOT}}
-        if e.line:
-            location["region"] = {"startLine": e.line, **({"startColumn": e.column} if e.column else {})}
         notifications.append(
             {
                 "level": "error",
                 "message": {"text": f"{e.path}: {e.message}"},
-                "locations": [{"physicalLocation": location}],
-                "descriptor": {"id": "parse-error"},
+                "locations": [{"physicalLocation": _error_location(e, region_default=False)}],
+                "descriptor": {"id": e.code},
+                "properties": {"kind": e.kind.value},
             }
         )
     root_uri = options.root.resolve().as_uri().rstrip("/") + "/"
@@ -117,9 +133,7 @@ def build_sarif(report: Report, options: OutputOptions) -> dict[str, Any]:
                 "results": results,
                 "invocations": [
                     {
-                        "executionSuccessful": not any(
-                            e.message.startswith("internal error") for e in report.parse_errors
-                        ),
+                        "executionSuccessful": not any(e.internal for e in report.parse_errors),
                         "toolExecutionNotifications": notifications,
                     }
                 ],
@@ -127,6 +141,16 @@ def build_sarif(report: Report, options: OutputOptions) -> dict[str, Any]:
             }
         ],
     }
+
+
+def _error_location(error: ParseError, region_default: bool) -> dict[str, Any]:
+    location: dict[str, Any] = {"artifactLocation": {"uri": _uri(error.path), "uriBaseId": SRCROOT}}
+    if error.line or region_default:
+        region = {"startLine": error.line or 1}
+        if error.column or region_default:
+            region["startColumn"] = error.column or 1
+        location["region"] = region
+    return location
 
 
 def render_sarif(report: Report, options: OutputOptions) -> str:

@@ -1,13 +1,16 @@
-"""Human output in ruff's shape: `path:line:col: MG001 [*] message`, optional source context with a
-caret, per-rule statistics, and a one-line summary. Colour only when asked (on a terminal)."""
+"""Human output in ruff's shape: `path:line:col: MG001 [*] message` (`[*]`: `maingrad fix` fixes it),
+paths that could not be analyzed as `path:line:col: MG999 reason` in the same stream, optional source
+context with a caret, per-rule statistics, and a summary that counts findings, unanalyzed paths, safe
+fixes and hidden (unsafe) fixes apart. Colour only when asked (on a terminal)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from maingrad.analyzer.reporters.base import OutputOptions
-from maingrad.contracts.report import Finding, Report
+from maingrad.contracts.report import NOT_ANALYZED_CODE, Finding, NotAnalyzed, ParseError, Report
 
 _RESET, _BOLD, _RED, _CYAN, _BLUE, _DIM = "\033[0m", "\033[1m", "\033[31m", "\033[36m", "\033[34m", "\033[2m"
 
@@ -51,52 +54,100 @@ def _context(finding: Finding, lines: list[str], style: _Style, before: int = 1,
     return out
 
 
-def render_text(report: Report, options: OutputOptions) -> str:
-    style = _Style(options.color)
+def _plural(count: int, singular: str, plural: str | None = None) -> str:
+    return f"{count} {singular if count == 1 else (plural or singular + 's')}"
+
+
+def error_line(error: ParseError, options: OutputOptions, style: _Style | None = None) -> str:
+    """One MG999 diagnostic in the findings' shape: `path:line:col: MG999 message` (`dir/: ...` for a
+    directory, which has no lines)."""
+    style = style or _Style(False)
+    path = options.display_path(error.path)
+    if error.kind is NotAnalyzed.DIRECTORY:
+        where = style(path.rstrip("/") + "/", _BOLD)
+    else:
+        line, column = error.line or 1, error.column or 1
+        where = f"{style(path, _BOLD)}{style(':', _CYAN)}{line}{style(':', _CYAN)}{column}"
+    return f"{where}{style(':', _CYAN)} {style(error.code, _RED, _BOLD)} {error.message}"
+
+
+def summary_lines(report: Report, options: OutputOptions) -> list[str]:
+    """The closing lines: findings and not-analyzed paths counted apart, then safe and hidden fixes."""
+    count = len(report.findings)
+    scanned = _plural(report.files_scanned, "file")
+    directories = sum(1 for e in report.parse_errors if e.kind is NotAnalyzed.DIRECTORY)
+    files = len({e.path for e in report.parse_errors if e.kind is not NotAnalyzed.DIRECTORY})
     out: list[str] = []
+    if report.parse_errors:
+        what = " and ".join(
+            part
+            for part in (
+                _plural(files, "file") if files else "",
+                _plural(directories, "directory", "directories") if directories else "",
+            )
+            if part
+        )
+        verb = "was" if files + directories == 1 else "were"
+        out.append(f"Found {_plural(count, 'finding')} in {scanned}; {what} {verb} not analyzed (MG999).")
+    elif count:
+        out.append(f"Found {_plural(count, 'finding')} in {scanned}.")
+    else:
+        out.append(f"All checks passed! ({scanned} scanned)")
+    fixable = sum(1 for f in report.findings if f.fingerprint in options.fixable)
+    hidden = options.hidden_fixes
+    hint = f" ({_plural(hidden, 'hidden fix', 'hidden fixes')} can be enabled with `--unsafe-fixes`)"
+    if fixable:
+        out.append(f"[*] {fixable} fixable with `maingrad fix`{hint if hidden else ''}.")
+    elif hidden:
+        out.append(f"No fixes available{hint}.")
+    return out
+
+
+def render_text(report: Report, options: OutputOptions) -> str:
+    return "".join(iter_text(report, options))
+
+
+def iter_text(report: Report, options: OutputOptions) -> Iterator[str]:
+    """The text report, line by line (findings and MG999 diagnostics merged in path and line order)."""
+    style = _Style(options.color)
     names = {r.id: r.name for r in report.rules}
-    fixable = [f for f in report.findings if f.fingerprint in options.fixable]
     if options.statistics:
         counts = Counter(f.rule for f in report.findings)
-        fixable_rules = {f.rule for f in fixable}
-        width = max((len(str(n)) for n in counts.values()), default=1)
-        for rule, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-            mark = "[*]" if rule in fixable_rules else "[ ]"
-            out.append(
-                f"{str(count).rjust(width)}\t{style(rule, _RED, _BOLD)}\t{mark} {names.get(rule, '')}".rstrip()
-            )
+        fixable_rules = {f.rule for f in report.findings if f.fingerprint in options.fixable}
+        rows = [
+            (count, rule, "[*]" if rule in fixable_rules else "[ ]", names.get(rule, ""))
+            for rule, count in counts.items()
+        ]
+        if report.parse_errors:
+            rows.append((len(report.parse_errors), NOT_ANALYZED_CODE, "[ ]", "not-analyzed"))
+        width = max((len(str(row[0])) for row in rows), default=1)
+        for count, rule, mark, name in sorted(rows, key=lambda row: (-row[0], row[1])):
+            yield f"{str(count).rjust(width)}\t{style(rule, _RED, _BOLD)}\t{mark} {name}".rstrip() + "\n"
     else:
         sources: dict[str, list[str] | None] = {}
+        errors = sorted(report.parse_errors, key=lambda e: (e.path, e.line or 0, e.column or 0))
+        next_error = 0
         for f in report.findings:
+            while next_error < len(errors) and (errors[next_error].path, errors[next_error].line or 0) <= (
+                f.path,
+                f.line,
+            ):
+                yield error_line(errors[next_error], options, style) + "\n"
+                next_error += 1
             mark = "[*] " if f.fingerprint in options.fixable else ""
             where = f"{style(options.display_path(f.path), _BOLD)}{style(':', _CYAN)}{f.line}{style(':', _CYAN)}{f.column}"
-            out.append(f"{where}{style(':', _CYAN)} {style(f.rule, _RED, _BOLD)} {mark}{f.message}")
+            yield f"{where}{style(':', _CYAN)} {style(f.rule, _RED, _BOLD)} {mark}{f.message}\n"
             if options.show_source:
                 lines = _source_lines(options, f.path, sources)
                 if lines and f.line <= len(lines):
-                    out.extend(_context(f, lines, style))
-                    out.append("")
+                    yield "".join(line + "\n" for line in _context(f, lines, style)) + "\n"
+        for error in errors[next_error:]:
+            yield error_line(error, options, style) + "\n"
     if not options.quiet:
-        count = len(report.findings)
-        scanned = f"{report.files_scanned} file{'s' if report.files_scanned != 1 else ''}"
-        if count:
-            noun = "finding" if count == 1 else "findings"
-            summary = f"Found {count} {noun} in {scanned}."
-            if fixable:
-                summary += f"\n[*] {len(fixable)} fixable with `maingrad fix`."
-            out.append(summary)
-        else:
-            out.append(f"All checks passed! ({scanned} scanned)")
-    return "".join(line + "\n" for line in out)
+        yield "".join(line + "\n" for line in summary_lines(report, options))
 
 
 def render_errors(report: Report, options: OutputOptions) -> str:
-    """Parse and internal errors, for stderr."""
+    """The MG999 diagnostics alone, for stderr (when the report itself goes to a file)."""
     style = _Style(options.color)
-    out = []
-    for e in report.parse_errors:
-        where = options.display_path(e.path)
-        if e.line:
-            where += f":{e.line}" + (f":{e.column}" if e.column else "")
-        out.append(f"{style('error', _RED, _BOLD)}: {where}: {e.message}")
-    return "".join(line + "\n" for line in out)
+    return "".join(error_line(e, options, style) + "\n" for e in report.parse_errors)

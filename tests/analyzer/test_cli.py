@@ -42,13 +42,21 @@ def test_rules_lists_every_rule(run) -> None:
     assert {"MG000", "MG901"} <= {r["id"] for r in listed.json()}
 
 
-def test_explain(run) -> None:
-    result = run("explain", "mg901")
-    assert result.code == 0
-    assert result.out.splitlines()[2] == "# MG901: test-main-grad-attribute"
-    assert "## What it does" in result.out
-    unknown = run("explain", "MG999")
-    assert unknown.code == 2 and "unknown rule 'MG999'" in unknown.err
+def test_explain(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    raw = run("explain", "mg901", "--format", "markdown")
+    assert raw.code == 0
+    assert raw.out.splitlines()[0] == "# MG901: test-main-grad-attribute"
+    assert "## What it does" in raw.out and "<!--" not in raw.out
+    rendered = run("explain", "MG901")  # rich renders the Markdown (plain text in a pipe)
+    assert rendered.code == 0
+    assert "MG901: test-main-grad-attribute" in rendered.out and "What it does" in rendered.out
+    assert "## " not in rendered.out and "<!--" not in rendered.out and "\x1b[" not in rendered.out
+    assert "# maingrad: ignore[MG901]" in rendered.out  # the table's code cell survives rendering
+    mg999 = run("explain", "MG999", "--format", "markdown")
+    assert mg999.code == 0 and mg999.out.startswith("# MG999: not-analyzed")
+    unknown = run("explain", "MG998")
+    assert unknown.code == 2 and "unknown rule 'MG998'" in unknown.err
 
 
 def test_console_script_and_module_entry_point(tmp_path) -> None:  # type: ignore[no-untyped-def]

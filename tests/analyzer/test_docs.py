@@ -27,6 +27,6 @@ def test_check_mode_detects_stale_and_orphan_pages(tmp_path: Path) -> None:
     assert main(["--check", str(tmp_path)]) == 0
     first = sorted(tmp_path.glob("MG*.md"))[0]
     first.write_text(first.read_text() + "edited\n")
-    (tmp_path / "MG999.md").write_text("old rule\n")
+    (tmp_path / "MG998.md").write_text("old rule\n")
     assert main(["--check", str(tmp_path)]) == 1
-    assert sorted(stale_pages(tmp_path)) == sorted([f"{first.name}: stale", "MG999.md: no such rule"])
+    assert sorted(stale_pages(tmp_path)) == sorted([f"{first.name}: stale", "MG998.md: no such rule"])

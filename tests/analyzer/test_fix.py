@@ -67,7 +67,10 @@ def test_fix_keeps_encoding_bom_newlines_and_mode(project, run) -> None:
 
 def test_unparsable_files_are_left_alone(project, run) -> None:
     root = project({"a.py": "x = p.main_grad(\n"})
-    assert run("fix").code == 0
+    result = run("fix")
+    assert (
+        result.code == 1 and "a.py:1:16: MG999 syntax error: '(' was never closed" in result.out
+    )  # nothing fixed, not clean
     assert (root / "a.py").read_text() == "x = p.main_grad(\n"
 
 

@@ -25,24 +25,33 @@ def test_text_format(project, run) -> None:
     result = run("check")
     assert result.code == 1
     lines = result.out.splitlines()
-    assert lines[:3] == [
+    assert lines == [
         "pkg/a.py:2:9: MG901 [*] `p.main_grad` is used",
-        "pkg/a.py:3:5: MG902 [*] bad_call() is called",
+        "pkg/a.py:3:5: MG902 bad_call() is called",  # an unsafe fix: not applied by `maingrad fix`
         "pkg/b.py:1:5: MG901 [*] `q.main_grad` is used",
+        "pkg/broken.py:1:12: MG999 syntax error: '(' was never closed",  # the interpreter's words
+        "Found 3 findings in 3 files; 1 file was not analyzed (MG999).",
+        "[*] 2 fixable with `maingrad fix` (1 hidden fix can be enabled with `--unsafe-fixes`).",
     ]
-    assert lines[3] == "Found 3 findings in 3 files."
     assert "\033[" not in result.out  # never colour when not a terminal
-    assert "error: pkg/broken.py:" in result.err
+    assert result.err == ""
+    unsafe = run("check", "--unsafe-fixes").out.splitlines()
+    assert "pkg/a.py:3:5: MG902 [*] bad_call() is called" in unsafe
+    assert unsafe[-1] == "[*] 3 fixable with `maingrad fix`."
 
 
 def test_quiet_statistics_and_show_source(project, run) -> None:
     project(FILES)
-    assert run("check", "--quiet").out.splitlines()[-1] == "pkg/b.py:1:5: MG901 [*] `q.main_grad` is used"
+    assert run("check", "--quiet").out.splitlines()[-1].startswith("pkg/broken.py:1:12: MG999 syntax error")
     stats = run("check", "--statistics", "--quiet").out.splitlines()
-    assert stats == ["2\tMG901\t[*] test-main-grad-attribute", "1\tMG902\t[*] test-bad-call"]
+    assert stats == [
+        "2\tMG901\t[*] test-main-grad-attribute",
+        "1\tMG902\t[ ] test-bad-call",
+        "1\tMG999\t[ ] not-analyzed",
+    ]
     shown = run("check", "--show-source", "--quiet", "--select", "MG902").out
     assert shown.splitlines()[:6] == [
-        "pkg/a.py:3:5: MG902 [*] bad_call() is called",
+        "pkg/a.py:3:5: MG902 bad_call() is called",
         "  |",
         "2 |     x = p.main_grad",
         "3 |     bad_call()",
@@ -193,7 +202,7 @@ def test_sarif(project, run) -> None:
     assert first["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "pkg/a.py"
     assert first["locations"][0]["physicalLocation"]["region"]["snippet"]["text"] == "    x = p.main_grad"
     assert run_["originalUriBaseIds"]["%SRCROOT%"]["uri"] == root.resolve().as_uri() + "/"
-    assert {r["id"] for r in rules} == {"MG901", "MG902", "MG903", "MG904"}
+    assert {r["id"] for r in rules} == {"MG901", "MG902", "MG903", "MG904", "MG999"}
     assert all(
         r["helpUri"].endswith(f"/{r['id']}.md") and "What it does" in r["help"]["markdown"] for r in rules
     )
@@ -201,6 +210,11 @@ def test_sarif(project, run) -> None:
     assert [n["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for n in notes] == [
         "pkg/broken.py"
     ]
+    assert notes[0]["descriptor"]["id"] == "MG999" and notes[0]["properties"]["kind"] == "syntax"
+    assert run_["invocations"][0]["executionSuccessful"] is True  # only a failing rule makes it false
+    (unanalyzed,) = [r for r in run_["results"] if r["ruleId"] == "MG999"]  # an alert, not only a note
+    assert unanalyzed["level"] == "error"
+    assert unanalyzed["locations"][0]["physicalLocation"]["region"]["startLine"] == 1
 
     # Fingerprints do not depend on line numbers: move the code down, keep the identity.
     a = root / "pkg" / "a.py"
@@ -218,7 +232,7 @@ def test_github_annotations(project, run) -> None:
         "::MG901 `p.main_grad` is used"
     )
     assert lines[1].startswith("::warning file=pkg/a.py,line=3,col=5,")
-    assert lines[-1].startswith("::error file=pkg/broken.py,line=")
+    assert lines[-1].startswith("::error file=pkg/broken.py,line=1,col=12,title=MG999 not-analyzed::MG999 ")
     assert escape_data("50%\nx") == "50%25%0Ax"
     assert escape_property("a:b,c") == "a%3Ab%2Cc"
 
@@ -227,3 +241,18 @@ def test_json_round_trips_through_the_report_model(project, run) -> None:
     project(FILES)
     text = run("check", "--format", "json").out
     assert json.loads(Report.from_json(text).to_json()) == json.loads(text)
+
+
+def test_streamed_formats_equal_the_whole_text(project, run, tmp_path: Path) -> None:
+    """The CLI writes reports piece by piece; the bytes are those of the one-string renderers."""
+    from maingrad.analyzer.reporters import OutputOptions, iter_render, render
+
+    project(FILES)
+    out = run("check", "--format", "json").out
+    report = Report.from_json(out)
+    assert out == report.to_json(indent=2) + "\n"
+    options = OutputOptions(root=tmp_path)
+    for fmt in ("text", "json", "github", "sarif"):
+        assert "".join(iter_render(fmt, report, options)) == render(fmt, report, options)
+    empty = Report(tool_version="0")
+    assert "".join(iter_render("json", empty, options)) == empty.to_json(indent=2) + "\n"

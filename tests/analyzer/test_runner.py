@@ -96,7 +96,8 @@ def test_parse_errors_do_not_stop_the_scan(project, run) -> None:
         assert "cannot read" in errors["pkg/secret.py"]["message"]
     assert any(f["path"] == "pkg/cookie.py" for f in data["findings"])  # PEP 263 cookie honoured
     assert data["files_scanned"] == len(list(Path(root).rglob("*.py")))
-    assert result.code == 1  # findings decide; parse errors alone do not fail
+    assert {e["kind"] for e in errors.values()} >= {"syntax", "decode"}
+    assert result.code == 1
 
 
 def test_rule_crash_is_reported_and_other_rules_still_run(project, run) -> None:
@@ -111,6 +112,8 @@ def test_rule_crash_is_reported_and_other_rules_still_run(project, run) -> None:
             "message": "internal error: rule MG903: RuntimeError: boom",
             "line": None,
             "column": None,
+            "kind": "internal",
+            "code": "MG999",
         }
     ]
     again = run("check", "--format", "json")  # results with internal errors are never cached

@@ -285,7 +285,8 @@ def test_cli_summary_and_validate(tmp_path: Path, capsys: pytest.CaptureFixture[
     path = str(tmp_path / "rec.rank3.jsonl")
     assert cli_main(["hooks", "summary", path]) == 0
     out = capsys.readouterr().out
-    assert "module.experts" in out and "ow@bac[true:32]" in out and "ow@for[true:32]" in out
+    assert "module.experts" in out and "overwrite_main_grad seen" in out
+    assert "fwd=true:32 bwd=true:32" in out and "\noverwrite_main_grad seen: the flag's value" in out
     assert cli_main(["hooks", "summary", "--json", path]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] and data["modules"][0]["forward_calls"] == 4 and data["modules"][0]["params"] == 8
