@@ -411,7 +411,7 @@ def test_bad_arguments(kwargs: dict, message: str) -> None:
 
 
 # -- the driver form ---------------------------------------------------------------------------------------------------
-def test_run_from_env_modes(tmp_path, capsys) -> None:
+def test_preflight_from_env_modes(tmp_path, capsys) -> None:
     args = (mse_microbatch, dense_batches(2))
     assert preflight_from_env(fsdp("basic", "optim_grads_params"), *args, env={}, loss_fn=mse_loss) is None
     out = tmp_path / "r{rank}.json"
