@@ -20,6 +20,13 @@ from sqlalchemy import select
 from maingrad.service import auth, migrate, problems
 from maingrad.service.api.routes import alerts, gate, health, projects, reports, runs
 from maingrad.service.bodies import BodyLimitMiddleware, body_limits
+from maingrad.service.bodyschema import (
+    BodyLimits,
+    maingrad_report_schema,
+    record_schema,
+    records_body_schema,
+    sarif_schema,
+)
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.gate_cache import GateCache
@@ -123,6 +130,20 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     )
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["Problem"] = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+    limits = BodyLimits.from_settings(app.state.settings)
+    components["MaingradReport"] = maingrad_report_schema(limits)
+    components["SarifLog"] = sarif_schema(limits)
+    components["ReportBody"] = {
+        "oneOf": [
+            {"$ref": "#/components/schemas/MaingradReport"},
+            {"$ref": "#/components/schemas/SarifLog"},
+        ]
+    }
+    components["RuntimeRecord"] = record_schema(limits)
+    components["RecordsBody"] = {
+        **records_body_schema(limits),
+        "items": {"$ref": "#/components/schemas/RuntimeRecord"},
+    }
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     for path, item in schema.get("paths", {}).items():

@@ -59,19 +59,20 @@ def store_report(
     commit_sha: str,
     branch: str | None,
     category: str | None,
-    body: bytes,
+    body: bytes | bytearray,
     idempotency_key: str | None = None,
 ) -> UploadOutcome:
     content_sha = hashlib.sha256(body).hexdigest()
-    request_sha = hashlib.sha256(
-        b"\0".join([body, commit_sha.encode(), (branch or "").encode(), (category or "").encode()])
-    ).hexdigest()
+    digest = hashlib.sha256(body)  # the body, NUL, commit, NUL, branch, NUL, category (no copy of the body)
+    for part in (commit_sha, branch or "", category or ""):
+        digest.update(b"\0" + part.encode())
+    request_sha = digest.hexdigest()
     ttl = dt.timedelta(hours=settings.idempotency_ttl_hours)
     if idempotency_key:
         replay = _replay(db, project.id, idempotency_key, request_sha, ttl)
         if replay is not None:
             return replay
-    norm = parse_report(body, Limits(settings.max_runs, settings.max_results_per_run))
+    norm = parse_report(body, Limits.from_settings(settings))
     cat = (category or norm.tool_name or norm.format)[:200]
     assign_fingerprints(norm.findings, cat)
 

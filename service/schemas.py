@@ -27,7 +27,9 @@ class Problem(BaseModel):
     instance: str | None = None
     errors: list[dict[str, Any]] | None = None
     limit: int | None = None
-    line: int | None = None
+    line: int | None = Field(None, description="NDJSON bodies: the 1-based line at fault.")
+    pointer: str | None = Field(None, description="JSON pointer (RFC 6901) of the value at fault in the body.")
+    required_scope: str | None = None
 
 
 class Page(BaseModel, Generic[T]):

@@ -24,9 +24,10 @@ RunName = Annotated[str, Path(min_length=1, max_length=255, description="Run id 
 
 _NDJSON_BODY = {
     "required": True,
-    "description": "One record (DESIGN.md §4, schema 1) per line; re-sent records are ignored by `id`. "
-    "`Content-Encoding: gzip` is accepted.",
-    "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+    "description": "One runtime record (`maingrad.hooks`, schema 1) per line; re-sent records are ignored by "
+    "`id`. The schema describes the body as the array of its lines. `Content-Encoding: gzip` is accepted.",
+    # The schema itself is filled in from the running configuration's limits (app._openapi).
+    "content": {"application/x-ndjson": {"schema": {"$ref": "#/components/schemas/RecordsBody"}}},
 }
 
 
@@ -46,8 +47,9 @@ def run_out(run: Run) -> dict[str, Any]:
     summary="Append a batch of runtime records (NDJSON)",
     openapi_extra={"requestBody": _NDJSON_BODY},
     responses={
-        409: {"description": "The run belongs to another commit."},
-        413: {"description": "Too large."},
+        409: {"description": "The run belongs to another commit, or the records name another commit."},
+        413: {"description": "Too large: body, inflated body, one line, or the number of records."},
+        422: {"description": "A line is not JSON or breaks the record schema (`line` and `pointer` say where)."},
     },
 )
 async def post_records(
@@ -59,7 +61,12 @@ async def post_records(
     commit_sha: OptionalCommitQuery = None,
 ) -> dict[str, Any]:
     raw = await read_body(request, settings.max_records_body_bytes)
-    body = decode_content(raw, request.headers.get("content-encoding"), settings.max_decompressed_bytes)
+    body = decode_content(
+        raw,
+        request.headers.get("content-encoding"),
+        settings.max_records_decompressed_bytes,
+        settings.max_record_line_bytes,
+    )
     result = await run_in_threadpool(
         records.ingest,
         db,
@@ -68,6 +75,8 @@ async def post_records(
         commit_sha.lower() if commit_sha else None,
         body,
         settings.max_records_per_batch,
+        settings.max_record_line_bytes,
+        settings.max_record_string_chars,
     )
     request.app.state.metrics.inc("maingrad_records_ingested_total", result["inserted"])
     if result["duplicates"]:
