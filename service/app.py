@@ -31,7 +31,9 @@ from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.gate_cache import GateCache
 from maingrad.service.metrics import MetricsMiddleware, new_registry
+from maingrad.service.reports import lock_key
 from maingrad.service.models import Token
+from maingrad.service.shedding import LoadShedMiddleware
 from maingrad.service.schemas import Problem
 
 log = logging.getLogger("maingrad.service")
@@ -50,6 +52,7 @@ def bootstrap_admin(db: Database, settings: Settings) -> str | None:
     if settings.admin_token is not None and settings.admin_token.get_secret_value():
         return None
     with db.writing() as session:
+        lock_key(session, "bootstrap-admin")  # several workers start at once: one mints, the others see it
         exists = session.execute(
             select(Token.id).where(Token.project_id.is_(None), Token.revoked_at.is_(None)).limit(1)
         ).first()
@@ -98,7 +101,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     problems.install(app)
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limits(settings))
     app.state.metrics = new_registry()
+    # Added last, so it runs first: a shed request costs no body read, no metrics middleware, no handler.
     app.add_middleware(MetricsMiddleware, registry=app.state.metrics)
+    app.add_middleware(
+        LoadShedMiddleware,
+        limit=settings.max_concurrent_requests,
+        retry_after_s=settings.retry_after_s,
+        on_shed=lambda: app.state.metrics.inc("maingrad_requests_shed_total"),
+    )
     app.include_router(health.router)
     app.include_router(api_router())
     from maingrad.service.dashboard.routes import mount as mount_dashboard

@@ -296,6 +296,7 @@ def records_body_schema(limits: BodyLimits) -> dict[str, Any]:
     """The NDJSON body as the array of its lines (one record per line; blank lines are skipped)."""
     return {
         "type": "array",
+        "minItems": 1,
         "maxItems": limits.max_records_per_batch,
         "items": record_schema(limits),
         "description": "NDJSON: each item is one line. A batch is validated whole; a bad line is a 422 naming it.",

@@ -91,6 +91,8 @@ def parse_batch(
     50,000-records/s path), plus two rules a schema cannot say: a record's `run` is the run in the URL, and
     one batch names one commit."""
     lines = _split(body, max_records, max_line)
+    if not lines:
+        raise ProblemError(422, "empty_batch", "the batch holds no record (one JSON object per line)")
     records = _load_lines(lines)
     rows: list[tuple[Any, ...]] = []
     commit: str | None = None

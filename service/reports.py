@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select, text, update
 from sqlalchemy.orm import Session
 
 from maingrad.service.config import Settings
@@ -79,6 +79,7 @@ def store_report(
     def attempt() -> UploadOutcome:
         with db.writing() as session:
             if idempotency_key:
+                lock_key(session, "idempotency", project.id, idempotency_key)
                 replay = _replay_in(session, project.id, idempotency_key, request_sha, ttl)
                 if replay is not None:
                     return replay
@@ -103,6 +104,19 @@ def store_report(
             return outcome
 
     return with_retries(attempt)
+
+
+def lock_key(session: Session, *parts: Any) -> None:
+    """PostgreSQL: serialize writers of one key for the rest of the transaction (an advisory lock).
+
+    Two uploads for one (project, commit, category) both found no analysis, both inserted, and the loser hit
+    the unique key; with eight concurrent writers, retries ran out and a fifth of the answers were 500. Under
+    the lock the second writer waits, then (READ COMMITTED) sees the first one's analysis and replaces it.
+    SQLite needs nothing: its writers are serialized already (BEGIN IMMEDIATE)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    digest = hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=8).digest()
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": int.from_bytes(digest, "big", signed=True)})
 
 
 def _replay(
@@ -136,6 +150,7 @@ def _store(
     content_sha: str,
     norm: NormAnalysis,
 ) -> UploadOutcome:
+    lock_key(session, "analysis", project.id, commit_sha, category)
     existing = session.execute(
         select(Analysis).where(
             Analysis.project_id == project.id,

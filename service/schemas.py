@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -60,18 +60,24 @@ class ProjectOut(BaseModel):
 
 
 class TokenCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # At most one of the two expiry fields (null counts as given): the schema says it with `not`.
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"not": {"required": ["expires_at", "expires_in_days"]}}
+    )
     name: str = Field("", max_length=200, pattern=NO_NUL)
     scopes: list[Scope] = Field(min_length=1)
-    expires_at: dt.datetime | None = None
+    expires_at: dt.datetime | None = Field(None, description="Must be in the future.")
     expires_in_days: int | None = Field(None, ge=1, le=3650)
 
     @model_validator(mode="after")
     def _one_expiry(self) -> TokenCreate:
-        if self.expires_at is not None and self.expires_in_days is not None:
+        if {"expires_at", "expires_in_days"} <= self.model_fields_set:
             raise ValueError("give expires_at or expires_in_days, not both")
-        if self.expires_at is not None and self.expires_at.tzinfo is None:
-            self.expires_at = self.expires_at.replace(tzinfo=dt.timezone.utc)
+        if self.expires_at is not None:
+            if self.expires_at.tzinfo is None:
+                self.expires_at = self.expires_at.replace(tzinfo=dt.timezone.utc)
+            if self.expires_at <= dt.datetime.now(dt.timezone.utc):
+                raise ValueError("expires_at is in the past: the token would be expired already")
         return self
 
 
@@ -315,19 +321,25 @@ class AlertDetail(AlertOut):
     events: list[AlertEventOut]
 
 
-class AlertUpdate(BaseModel):
+class AlertDismiss(BaseModel):
+    """Dismiss an alert: a reason is required."""
+
     model_config = ConfigDict(extra="forbid")
-    state: Literal["open", "dismissed"]
-    reason: DismissReason | None = None
+    state: Literal["dismissed"]
+    reason: DismissReason
     comment: str | None = Field(None, max_length=2000, pattern=NO_NUL)
 
-    @model_validator(mode="after")
-    def _reason_when_dismissed(self) -> AlertUpdate:
-        if self.state == "dismissed" and self.reason is None:
-            raise ValueError("dismissing an alert needs a reason")
-        if self.state == "open" and self.reason is not None:
-            raise ValueError("a reason applies only to dismissed alerts")
-        return self
+
+class AlertReopen(BaseModel):
+    """Reopen a dismissed alert (no reason: reasons belong to dismissals)."""
+
+    model_config = ConfigDict(extra="forbid")
+    state: Literal["open"]
+    comment: str | None = Field(None, max_length=2000, pattern=NO_NUL)
+
+
+# The state decides which shape applies, so every rule is in the published schema (no cross-field 422).
+AlertUpdate = Annotated[AlertDismiss | AlertReopen, Field(discriminator="state")]
 
 
 # --- health --------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from maingrad.service import records
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep, UploadAccess
-from maingrad.service.api.params import CursorQuery, LimitQuery, OptionalCommitQuery
+from maingrad.service.api.params import CursorQuery, KeyCursorQuery, LimitQuery, OptionalCommitQuery
 from maingrad.service.bodies import decode_content, read_body
 from maingrad.service.models import Record, Run
 from maingrad.service.pagination import decode_key_cursor, encode_key_cursor, keyset_page
@@ -138,7 +138,11 @@ def get_timeline(run: RunName, access: ReadAccess, session: SessionDep) -> dict[
     summary="A run's raw records, by record id",
 )
 def list_records(
-    run: RunName, access: ReadAccess, session: SessionDep, cursor: CursorQuery = None, limit: LimitQuery = 100
+    run: RunName,
+    access: ReadAccess,
+    session: SessionDep,
+    cursor: KeyCursorQuery = None,
+    limit: LimitQuery = 100,
 ) -> dict[str, Any]:
     row = _run(session, access, run)
     query = select(Record.record_key, Record.raw).where(Record.run_id == row.id).order_by(Record.record_key)
