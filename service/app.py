@@ -31,10 +31,10 @@ from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.gate_cache import GateCache
 from maingrad.service.metrics import MetricsMiddleware, new_registry
-from maingrad.service.reports import lock_key
 from maingrad.service.models import Token
-from maingrad.service.shedding import LoadShedMiddleware
+from maingrad.service.reports import lock_key
 from maingrad.service.schemas import Problem
+from maingrad.service.shedding import LoadShedMiddleware
 
 log = logging.getLogger("maingrad.service")
 API_PREFIX = "/api/v1"

@@ -61,7 +61,9 @@ def decode_content(
 
 
 def _inflated_too_large(limit: int) -> ProblemError:
-    return ProblemError(413, "decompressed_too_large", f"decompressed body exceeds {limit} bytes", limit=limit)
+    return ProblemError(
+        413, "decompressed_too_large", f"decompressed body exceeds {limit} bytes", limit=limit
+    )
 
 
 def _line_too_long(limit: int, line: int) -> ProblemError:

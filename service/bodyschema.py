@@ -190,7 +190,9 @@ def sarif_schema(limits: BodyLimits) -> dict[str, Any]:
                 "maxItems": 100,
                 "items": {
                     "type": "object",
-                    "properties": {"status": {"type": "string", "enum": ["accepted", "underReview", "rejected"]}},
+                    "properties": {
+                        "status": {"type": "string", "enum": ["accepted", "underReview", "rejected"]}
+                    },
                 },
             },
             "fingerprints": fingerprints,
@@ -242,7 +244,10 @@ def sarif_schema(limits: BodyLimits) -> dict[str, Any]:
             },
             "originalUriBaseIds": {
                 "type": "object",
-                "additionalProperties": {"type": "object", "properties": {"uri": _str(limits.max_path_chars)}},
+                "additionalProperties": {
+                    "type": "object",
+                    "properties": {"uri": _str(limits.max_path_chars)},
+                },
             },
         },
     }

@@ -197,7 +197,9 @@ def parse_report(data: bytes | bytearray, limits: Limits) -> NormAnalysis:
         return parse_sarif(doc, limits)
     findings = doc.get("findings")
     if isinstance(findings, list) and len(findings) > limits.max_results_per_run:
-        raise _too_many_results(f"{len(findings)} findings exceed {limits.max_results_per_run} per run", limits)
+        raise _too_many_results(
+            f"{len(findings)} findings exceed {limits.max_results_per_run} per run", limits
+        )
     _check(doc, maingrad_report_schema(fields), "invalid_report")
     return parse_maingrad(doc, limits)
 

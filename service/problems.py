@@ -168,7 +168,12 @@ def install(app: FastAPI) -> None:
 
     # A database that cannot be reached, drops the connection, or has no free connection for seconds is an
     # outage, not a server bug: 503 with Retry-After, so clients (and `maingrad gate --wait`) come back.
-    for kind in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError):
+    for kind in (
+        sa_exc.OperationalError,
+        sa_exc.InterfaceError,
+        sa_exc.DisconnectionError,
+        sa_exc.TimeoutError,
+    ):
         app.add_exception_handler(kind, _unavailable)
     try:  # raw-cursor paths (COPY) raise the driver's own errors
         import psycopg

@@ -135,7 +135,9 @@ def parse_batch(
             raise _bad(lineno, f"'action' must be one of {list(contract.ACTIONS)}", "action", index)
         module, param = get("module", ""), get("param", "")
         if type(module) is not str or len(module) > max_string:
-            raise _bad(lineno, f"'module' must be a string of at most {max_string} characters", "module", index)
+            raise _bad(
+                lineno, f"'module' must be a string of at most {max_string} characters", "module", index
+            )
         if type(param) is not str or len(param) > max_string:
             raise _bad(lineno, f"'param' must be a string of at most {max_string} characters", "param", index)
         has, is_none = get("has_main_grad"), get("main_grad_is_none")
@@ -145,7 +147,9 @@ def parse_batch(
             raise _bad(lineno, "'main_grad_is_none' must be a boolean or null", "main_grad_is_none", index)
         anomaly = get("anomaly")
         if anomaly is not None and (type(anomaly) is not str or len(anomaly) > 255):
-            raise _bad(lineno, "'anomaly' must be a string of at most 255 characters or null", "anomaly", index)
+            raise _bad(
+                lineno, "'anomaly' must be a string of at most 255 characters or null", "anomaly", index
+            )
         if anomaly is None and action in contract.ANOMALOUS_ACTIONS:
             anomaly = f"action:{action}"
         rec_commit = get("commit")

@@ -116,7 +116,9 @@ def lock_key(session: Session, *parts: Any) -> None:
     if session.get_bind().dialect.name != "postgresql":
         return
     digest = hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=8).digest()
-    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": int.from_bytes(digest, "big", signed=True)})
+    session.execute(
+        text("SELECT pg_advisory_xact_lock(:k)"), {"k": int.from_bytes(digest, "big", signed=True)}
+    )
 
 
 def _replay(

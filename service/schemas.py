@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 T = TypeVar("T")
 
 PROJECT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+EVIDENCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}$"  # a category name (<= 200 characters) or "runtime"
 NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot store NUL
 Scope = Literal["upload", "read", "triage", "admin"]
 GateStatus = Literal["pass", "fail", "neutral", "pending", "error"]
@@ -28,7 +29,9 @@ class Problem(BaseModel):
     errors: list[dict[str, Any]] | None = None
     limit: int | None = None
     line: int | None = Field(None, description="NDJSON bodies: the 1-based line at fault.")
-    pointer: str | None = Field(None, description="JSON pointer (RFC 6901) of the value at fault in the body.")
+    pointer: str | None = Field(
+        None, description="JSON pointer (RFC 6901) of the value at fault in the body."
+    )
     required_scope: str | None = None
 
 
@@ -42,20 +45,40 @@ class Page(BaseModel, Generic[T]):
 # --- projects and tokens -------------------------------------------------------------------------------
 
 
+EvidenceName = Annotated[
+    str,
+    Field(
+        pattern=EVIDENCE_NAME,
+        description="`runtime` (runtime records for the commit) or an analysis category (e.g. `maingrad`).",
+    ),
+]
+RequiredEvidence = Annotated[
+    list[EvidenceName],
+    Field(
+        max_length=20,
+        description="Evidence every commit needs before its gate decides; while some is missing the gate "
+        "is `pending`.",
+    ),
+]
+
+
 class ProjectCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=PROJECT_NAME, examples=["megatron-lm"])
     default_branch: str = Field("main", min_length=1, max_length=255, pattern=NO_NUL)
+    required_evidence: RequiredEvidence = Field(default_factory=list)
 
 
 class ProjectUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    default_branch: str = Field(min_length=1, max_length=255, pattern=NO_NUL)
+    default_branch: str | None = Field(None, min_length=1, max_length=255, pattern=NO_NUL)
+    required_evidence: RequiredEvidence | None = None
 
 
 class ProjectOut(BaseModel):
     name: str
     default_branch: str
+    required_evidence: list[str]
     created_at: dt.datetime
 
 
@@ -207,6 +230,14 @@ class GateRuntime(BaseModel):
     samples: list[AnomalySample]
 
 
+class GateEvidence(BaseModel):
+    required: list[str]
+    present: list[str]
+    missing: list[str] = Field(
+        description="Required evidence not there yet: the gate is `pending` meanwhile."
+    )
+
+
 class GateOut(BaseModel):
     project: str
     commit_sha: str
@@ -222,6 +253,7 @@ class GateOut(BaseModel):
     fixed: list[GateFinding]
     truncated: bool = Field(description="True when a findings list was cut at the server's limit.")
     runtime: GateRuntime
+    evidence: GateEvidence
 
 
 # --- runtime records -----------------------------------------------------------------------------------

@@ -28,3 +28,11 @@ KeyCursorQuery = Annotated[
 ]
 LimitQuery = Annotated[int, Query(ge=1, le=500, description="Page size.")]
 IdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
+RequireQuery = Annotated[
+    list[Annotated[str, Query(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}$")]] | None,
+    Query(
+        max_length=20,
+        description="Evidence the commit needs before the gate decides (repeatable): `runtime` or an analysis "
+        "category. Default: the project's `required_evidence`.",
+    ),
+]

@@ -26,7 +26,7 @@ SARIF_MEDIA = "application/sarif+json"
 _REPORT_BODY = {
     "required": True,
     "description": "A maingrad JSON report (`version` 1) or a SARIF 2.1.0 log from any tool (`version` "
-    "\"2.1.0\"). `Content-Encoding: gzip` is accepted. The limits are in the schemas and in 413 answers.",
+    '"2.1.0"). `Content-Encoding: gzip` is accepted. The limits are in the schemas and in 413 answers.',
     # Filled in from the running configuration's limits (app._openapi).
     "content": {
         "application/json": {"schema": {"$ref": "#/components/schemas/ReportBody"}},

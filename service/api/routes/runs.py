@@ -49,7 +49,9 @@ def run_out(run: Run) -> dict[str, Any]:
     responses={
         409: {"description": "The run belongs to another commit, or the records name another commit."},
         413: {"description": "Too large: body, inflated body, one line, or the number of records."},
-        422: {"description": "A line is not JSON or breaks the record schema (`line` and `pointer` say where)."},
+        422: {
+            "description": "A line is not JSON or breaks the record schema (`line` and `pointer` say where)."
+        },
     },
 )
 async def post_records(
