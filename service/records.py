@@ -106,7 +106,7 @@ def parse_batch(
         if "schema" in rec and (type(rec["schema"]) is not int or rec["schema"] != contract.SCHEMA_VERSION):
             raise _bad(
                 lineno,
-                f"unsupported record schema {get('schema')!r} (expected {contract.SCHEMA_VERSION})",
+                f"'schema' must be {contract.SCHEMA_VERSION} (got {get('schema')!r}: unsupported record schema)",
                 "schema",
                 index,
             )
