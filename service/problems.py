@@ -83,20 +83,19 @@ _STATUS_CODES = {
 }
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
 def allowed_methods(request: Request) -> list[str]:
-    """Every method some route of the application accepts at this path (HEAD with GET), sorted."""
+    """Every method some route of the application fully matches at this path (included routers too)."""
     from starlette.routing import Match
 
-    methods: set[str] = set()
-    scope = {**request.scope, "method": "GET"}
-    for route in request.app.router.routes:
-        route_methods = getattr(route, "methods", None)
-        if not route_methods:
-            continue
-        match, _ = route.matches({**scope, "type": "http"})
-        if match in (Match.FULL, Match.PARTIAL):
-            methods |= set(route_methods)
-    return sorted(methods)
+    allowed = []
+    for method in _METHODS:
+        scope = {**request.scope, "type": "http", "method": method}
+        if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return allowed
 
 
 def install(app: FastAPI) -> None:
