@@ -65,7 +65,7 @@ class Client:
     # How long "no answer" (refused, reset, timed out) is retried: long enough for a server that is starting
     # (`maingrad serve &` then `maingrad upload`), short enough that a wrong URL is reported in seconds.
     # `gate --wait` raises it to the wait: it polls through outages.
-    connect_grace: float = 5.0
+    connect_grace: float = 10.0
 
     def __post_init__(self) -> None:
         self.url = check_url(self.url)

@@ -198,6 +198,8 @@ class Server:
                 "--no-access-log",
                 "--log-level",
                 "warning",
+                "--workers",  # one process unless a test asks for more (metrics are per process)
+                "1",
                 *self.args,
             ],
             cwd=self.workdir,
