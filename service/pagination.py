@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Select
+from sqlalchemy import BigInteger, Select, false
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from maingrad.service.problems import ProblemError
@@ -23,9 +23,18 @@ def keyset_page(
     cursor of the next page (None at the end)."""
     last_id = decode_cursor(cursor)
     if last_id is not None:
-        query = query.where(id_column < last_id if newest_first else id_column > last_id)
+        query = after_id(query, id_column, last_id, newest_first)
     rows = list(session.execute(query.limit(limit + 1)).scalars())
     return rows[:limit], encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
+
+
+def after_id(query: Select[Any], id_column: Any, last_id: int, newest_first: bool) -> Select[Any]:
+    """Rows past the cursor's id. A cursor wider than the id column (any 18-digit string is a cursor) is not
+    sent to the database, whose INTEGER parameter would overflow: every id is before it, none after it."""
+    widest = 2**63 - 1 if isinstance(id_column.type, BigInteger) else 2**31 - 1
+    if last_id > widest:
+        return query if newest_first else query.where(false())
+    return query.where(id_column < last_id if newest_first else id_column > last_id)
 
 
 # Cursors are opaque to clients, but their shape is published (a pattern in the OpenAPI document) and every

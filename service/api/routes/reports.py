@@ -14,7 +14,7 @@ from maingrad.service.api.params import CommitQuery, CursorQuery, IdPath, LimitQ
 from maingrad.service.bodies import decode_content, read_body
 from maingrad.service.gate import finding_out
 from maingrad.service.models import Analysis, Commit, Finding, Run
-from maingrad.service.pagination import decode_cursor, encode_cursor, keyset_page
+from maingrad.service.pagination import after_id, decode_cursor, encode_cursor, keyset_page
 from maingrad.service.problems import ProblemError
 from maingrad.service.reports import analysis_dict, store_report
 from maingrad.service.sarif_out import analysis_sarif
@@ -155,7 +155,7 @@ def commits_page(session: Any, project_id: int, cursor: str | None, limit: int) 
     query = select(Commit).where(Commit.project_id == project_id).order_by(Commit.id.desc())
     before = decode_cursor(cursor)
     if before is not None:
-        query = query.where(Commit.id < before)
+        query = after_id(query, Commit.id, before, newest_first=True)
     rows = list(session.execute(query.limit(limit + 1)).scalars())
     page = rows[:limit]
     shas = [c.sha for c in page]
