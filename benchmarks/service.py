@@ -408,6 +408,18 @@ def _memory_cases() -> list[tuple[str, str, bytes, dict[str, str]]]:
         for i in range(25_000)
     ]
     largest = {"version": "2.1.0", "runs": [{"tool": {"driver": {"name": "big"}}, "results": results}]}
+    # The worst a body may do under the default caps: as many values as allowed (the most objects per byte,
+    # in a property bag, which is kept), and as many bytes as allowed (one string just under the inflate cap).
+    values = _gzip_parts(
+        [b'{"version":"2.1.0","runs":[{"tool":{"driver":{"name":"x"}},"properties":{"bag":[']
+        + [b"{}," * 1000] * 1990
+        + [b'{}]},"results":[]}]}']
+    )
+    text = _gzip_parts(
+        [b'{"version":"2.1.0","runs":[{"tool":{"driver":{"name":"x"}},"properties":{"blob":"']
+        + [b"a" * (1 << 20)] * 31
+        + [b'"},"results":[]}]}']
+    )
     return [
         ("D1 gzip bomb (250 MiB of {})", "/reports?commit_sha=b4", bomb, gz),
         ("D1 one 120 MiB record line", "/runs/r/records", long_line, gz),
@@ -423,6 +435,8 @@ def _memory_cases() -> list[tuple[str, str, bytes, dict[str, str]]]:
             gzip.compress(json.dumps(largest).encode()),
             gz,
         ),
+        ("at the value budget: 1.99M objects", "/reports?commit_sha=v1", values, gz),
+        ("at the inflate cap: a 31 MiB string", "/reports?commit_sha=s1", text, gz),
     ]
 
 

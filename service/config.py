@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     # defaults one request stays far below 512 MB of server memory (benchmarks/service.py --memory measures it).
     max_body_bytes: int = Field(10 * MiB, ge=1024)
     # Inflating stops at this size, and a report is parsed only when it counts at most max_json_values values.
-    max_decompressed_bytes: int = Field(64 * MiB, ge=1024)
+    max_decompressed_bytes: int = Field(32 * MiB, ge=1024)
     max_json_values: int = Field(2_000_000, ge=1000)
     max_runs: int = Field(20, ge=1)
     max_results_per_run: int = Field(25_000, ge=1)

@@ -99,12 +99,14 @@ def count_json_values(data: bytes | bytearray, limit: int) -> int:
     Every value but the first is preceded by a `,` or opens a `[`/`{`, so commas plus brackets plus one
     bounds the values (object keys are not counted; their memory is bounded by the body's size). Commas and
     brackets inside strings only make the bound looser; when the loose count passes the limit, strings are
-    blanked out and the structural characters counted again."""
+    blanked out and the structural characters counted again, empty containers once."""
     loose = data.count(b",") + data.count(b"[") + data.count(b"{") + 1
     if loose <= limit:
         return loose
     blanked = _JSON_STRING.sub(b'""', data)
-    return blanked.count(b",") + blanked.count(b"[") + blanked.count(b"{") + 1
+    # Outside strings, an empty `{}` / `[]` is one value that the comma before it already counted.
+    containers = blanked.count(b"[") + blanked.count(b"{") - blanked.count(b"[]") - blanked.count(b"{}")
+    return blanked.count(b",") + containers + 1
 
 
 def load_json(data: bytes | bytearray, max_values: int | None = None) -> Any:
