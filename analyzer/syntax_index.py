@@ -33,17 +33,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from maingrad.analyzer.facts import (
+    BOOL_PREFIX,
+    CAST_METHODS,
+    CONTAINER_NAMES,
+    GET_MAIN_GRAD,
+    KERNELS,
+    MAIN_GRAD,
+    OVERWRITE_FLAG,
+    VIEW_METHODS,
+    is_main_grad_name,
+)
+
 NO_GATE_ENV = "MAINGRAD_NO_GATE"
 
-MAIN_GRAD = "main_grad"
-OVERWRITE_FLAG = "overwrite_main_grad"
-# Vocabulary the walk records; tests/analyzer/test_gate.py keeps it equal to the rules' own constants.
-KERNELS = frozenset({"wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"})  # MG002/MG007/MG008
-VIEW_METHODS = frozenset(  # MG007 `_VIEW_METHODS`
-    {"view", "view_as", "reshape", "detach", "t", "transpose", "flatten", "narrow", "chunk"}
-)
-CAST_METHODS = frozenset({"to", "type", "half", "bfloat16"})  # MG007 `_looks_like_cast`
-CONTAINER_NAMES = frozenset({"Sequential", "OperationFuser"})  # MG005 `_CONTAINERS`, last parts
+# The vocabulary the walk records is `maingrad.analyzer.facts`, the rules' own: a gate and its rule cannot
+# disagree on what a kernel, a view or a container is.
 _MAX_DEPTH = 60  # deeper spines are "may be anything" (sound), never a RecursionError
 # A dotted chain written without spaces, parentheses or comments: its text is exactly libcst's `code_of`.
 _CHAIN = r"[A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)*"
@@ -243,7 +248,7 @@ def is_main_grad_value(node: ast.AST) -> bool:
         return 2 <= len(args) <= 3 and is_str(args[1], MAIN_GRAD)
     return (
         type(func) is ast.Attribute
-        and func.attr == "get_main_grad"
+        and func.attr == GET_MAIN_GRAD
         and not node.args  # type: ignore[attr-defined]
         and not node.keywords  # type: ignore[attr-defined]
     )
@@ -521,7 +526,7 @@ class _Builder:
             if not spine.empty:
                 self.index.writes.append(Write("dict_out", node, spine, out_dtype=out_dtype))
 
-    def _call(self, node: ast.Call) -> None:
+    def _call(self, node: ast.Call) -> None:  # noqa: C901 - one pass per call on the gate's hot path
         index = self.index
         func = node.func
         func_kind = type(func)
@@ -551,7 +556,7 @@ class _Builder:
             receiver = func.value  # type: ignore[attr-defined]
             if is_main_grad_attr(receiver):
                 takes_main_grad = True
-            if attr == "get_main_grad":
+            if attr == GET_MAIN_GRAD:
                 index.get_main_grad_calls.append(node)
             elif attr in KERNELS:
                 args = positional(node)
@@ -593,8 +598,37 @@ class _Builder:
 
     def _class(self, node: ast.ClassDef) -> None:
         start, end = self._span(node)
-        defines = any(isinstance(s, FUNCTION_NODES) and s.name == "get_main_grad" for s in node.body)
+        defines = any(isinstance(s, FUNCTION_NODES) and s.name == GET_MAIN_GRAD for s in node.body)
         self.index.scopes.append(Scope("class", node.name, start, end, defines))
 
     def _import(self, node: ast.Import | ast.ImportFrom) -> None:
         self.index.imports.append(node)
+
+
+# Gate helpers shared by the rules that judge writes into main_grad buffers (MG007, MG008, ...) ---------
+def spine_is_main_grad(spine: Spine, aliases: set[str]) -> bool:
+    """Over-approximates `rules._common.MainGradScope.is_main_grad` on an expression: the spine holds
+    exactly the nodes it decides on (an `X.main_grad` attribute, a call's last name, a plain name), and
+    `aliases` is a superset of every scope's aliases."""
+    if spine.wild or spine.attr:
+        return True
+    if any(MAIN_GRAD in name and not BOOL_PREFIX.match(name) for name in spine.calls):
+        return True
+    return any(name in aliases or is_main_grad_name(name) for name in spine.names)
+
+
+def gate_aliases(index: SyntaxIndex) -> set[str]:
+    """Names that may hold a main_grad buffer: the fixpoint over every `name = <expr>` in the file. Each
+    scope's `MainGradScope.aliases` comes from a subset of these bindings in at most four rounds."""
+    cached = index.memo.get("main_grad_aliases")
+    if cached is None:
+        cached = set()
+        grew = True
+        while grew:
+            grew = False
+            for name, spine in index.bindings:
+                if name not in cached and spine_is_main_grad(spine, cached):
+                    cached.add(name)
+                    grew = True
+        index.memo["main_grad_aliases"] = cached
+    return cached

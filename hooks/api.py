@@ -28,7 +28,7 @@ from maingrad.hooks.discovery import TargetSpec, discover
 from maingrad.hooks.errors import MainGradHooksWarning
 from maingrad.hooks.expose import check_policy
 from maingrad.hooks.instrument import Runtime, Site
-from maingrad.hooks.records import RecordRing, RunMeta, to_dicts
+from maingrad.hooks.records import RecordRing, Row, RunMeta, to_dicts
 from maingrad.hooks.settings import resolve_commit, resolve_mode, resolve_rank, resolve_run
 from maingrad.hooks.sinks import Sink, make_sink
 from maingrad.hooks.summary import ModuleSummary, Summary
@@ -105,7 +105,7 @@ class Handle:
         return list(self._sinks)
 
     # -- records --------------------------------------------------------------------------------------------
-    def _dicts(self, rows: Iterable[tuple]) -> list[dict]:
+    def _dicts(self, rows: Iterable[Row]) -> list[dict]:
         return to_dicts(rows, self.meta, self._modules, self._params)
 
     def records(self) -> list[dict]:

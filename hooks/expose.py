@@ -2,7 +2,7 @@
 
 Megatron-FSDP leaves `param.main_grad` absent until the first backward and sets it to None after every
 gradient reduction; fused wgrad paths that read it in forward (TE's op-fuser GroupedLinear) then fail.
-The fix assigns `param.main_grad = param.get_main_grad()` first. Guards follow DESIGN.md §1: `is None` only
+The fix assigns `param.main_grad = param.get_main_grad()` first. Its guards are upstream's: `is None` only
 (a tensor is never truth-tested), `getattr(..., None)` so DDP parameters (no `get_main_grad`) are untouched.
 """
 
@@ -37,7 +37,7 @@ def expose_param(param: torch.Tensor) -> bool:
     main_grad = get_main_grad()
     if not isinstance(main_grad, torch.Tensor):
         raise TypeError(f"get_main_grad() returned {type(main_grad).__name__}, not a tensor")
-    param.main_grad = main_grad
+    param.main_grad = main_grad  # type: ignore[attr-defined]  # the attribute Megatron adds to parameters
     return True
 
 
@@ -46,7 +46,7 @@ def force_overwrite_true(param: torch.Tensor) -> bool:
     if getattr(param, "overwrite_main_grad", _MISSING) is _MISSING:
         return False
     # Opt-in reproduction of upstream's forced overwrite (policy "force_true"); the default keeps the wrapper's.
-    param.overwrite_main_grad = True  # maingrad: ignore[MG006]
+    param.overwrite_main_grad = True  # type: ignore[attr-defined]  # maingrad: ignore[MG006]
     return True
 
 

@@ -10,7 +10,7 @@ numbers and the expansion into rows wait for the flush. Anything else, or any su
 (`_inspect_each`), which exposes, forces, flags and raises; the fast paths change nothing but caches before
 they hand over, so both give the same records (tests/hooks/test_hooks_paths.py).
 
-Hot-path rules (DESIGN.md §4): metadata only. Hooks read attributes, `dtype`, `shape`, `device` and
+Hot-path rules (the record contract, contracts/records.py): metadata only. Hooks read attributes, `dtype`, `shape`, `device` and
 `data_ptr()`; never `.item()`, `bool(tensor)` or a tensor comparison, so they never synchronize the device.
 Rows hold no tensor (dtype/shape/device objects and ints only), so no main_grad buffer outlives its owner
 because of us. Parameters are looked up in their owner's `_parameters` at every call, because Megatron-FSDP
@@ -44,7 +44,16 @@ from maingrad.hooks.records import (
     BACKWARD,
     FORWARD,
     PHASES,
+    BufferMeta,
+    CallEntry,
+    ColumnsEntry,
+    ErrorEntry,
+    ErrorRow,
+    FlaggedRow,
+    PlainRow,
     RecordRing,
+    TensorRow,
+    new,
 )
 
 _MISSING = object()
@@ -64,7 +73,7 @@ _R_TRUE = repeat(True)
 _R_FALSE = repeat(False)
 _TENSOR_ONLY = frozenset({_Tensor})
 _FLAG_TYPES = frozenset({bool, type(None)})
-_data_ptr = _Tensor.data_ptr  # raises TypeError on anything but a tensor
+_data_ptr: Callable[[Any], int] = _Tensor.data_ptr  # raises TypeError on anything but a tensor
 _main_grad_of = attrgetter("main_grad")  # raises AttributeError where there is none
 _ow_of = attrgetter("overwrite_main_grad")
 _gam_of = attrgetter("grad_added_to_main_grad")
@@ -107,7 +116,7 @@ def _fwd_ptr(fwd: Sequence[Any] | None, slot: int) -> int:
     if value.__class__ is int:
         return value
     meta = value[1]  # a row: its meta, or True where main_grad was None (see _NONE_ROW)
-    return meta[0] if meta.__class__ is tuple else 0
+    return meta[0] if meta.__class__ is BufferMeta else 0
 
 
 def _overwrites_accumulation(param: Any, forward_ptr: int, previous_backward_ptr: int) -> bool:
@@ -136,8 +145,8 @@ def _heuristic_overwrite(forward_ptr: int, previous_backward_ptr: int) -> bool:
 _EXPOSING_METHODS = ("_ensure_main_grad", "_expose_main_grad_for_fused_ops")
 
 
-_NO_META: tuple = (0, None, None, None)
-_NO_ROWS: tuple = ((-1, None, None, None, None),)  # matches no row (a row's meta is never None)
+_NO_META = BufferMeta(0, None, None, None)
+_NO_ROWS: tuple[TensorRow, ...] = (TensorRow(-1, None, None, None, None),)  # type: ignore[arg-type]  # matches no row (a row's meta is never None)
 _NO_COLUMNS: tuple = (None,) * 7  # equals no column (a list)
 
 
@@ -202,13 +211,14 @@ class Runtime:
             self.last_error = f"{site.path} {PHASES[phase]}: {type(exc).__name__}: {exc}"[:500]
             site.errors += 1
             site.anomalies[HOOK_ERROR] = site.anomalies.get(HOOK_ERROR, 0) + 1
-            row = (time_ns(), self.step, mb, phase, site.index, slot) + (
+            row = ErrorRow(
+                time_ns(), self.step, mb, phase, site.index, slot,
                 False, None, None, None, None, None, None, None, False, A_ERROR, HOOK_ERROR,
             )  # fmt: skip
             if rows is not None:
                 rows.append(row)
             else:
-                self.ring.push((1, [row]))
+                self.ring.push(ErrorEntry(1, [row]))
         except Exception:  # noqa: BLE001 - the error path of an error path: swallow, training goes on
             pass
 
@@ -330,7 +340,7 @@ class Site:
         self.lookup = _make_lookup(self.takers)
         # The usual small site, one owner with several covered names, is looked up inline (no call).
         one = len(self.takers) == 1 and not self.takers[0][2]
-        self.owner1 = self.takers[0][0] if one else None
+        self.owner1: Any = self.takers[0][0] if one else None
         self.getter1 = self.takers[0][1] if one else None
         self.wgrads = tuple(w for *_, wgrads_, _ in self.groups for w in wgrads_)
         self.nslots = len(self.relnames)
@@ -467,7 +477,7 @@ class Site:
         self.lean = False
         self.pending = None
 
-    def pre_forward(self, module: torch.nn.Module, args: Any = None) -> None:
+    def pre_forward(self, module: torch.nn.Module, args: Any = None) -> None:  # noqa: C901 - hot path inlined on purpose
         """Forward pre-hook. Also accepts Megatron's replay `hook(module, None)`; always returns None.
 
         `lean` (a small site that records every call, not a container, forward not forcing the flag, hook
@@ -485,7 +495,7 @@ class Site:
                     plain = self.flag_reads
                     metas = self.buffer_meta
                     last = self.fwd_rows
-                    rows = None  # stays None while every row is the last call's
+                    rows: Any = None  # stays None while every row is the last call's
                     for i, p in enumerate(found):
                         mg = p.main_grad
                         if plain:
@@ -508,7 +518,7 @@ class Site:
                                 if row[1] is True and row[3] is ow and row[4] is gam and row[5] is fsdp:
                                     continue
                                 rows = list(last[:i])
-                            rows.append((i, True, True, ow, gam, fsdp, A_NONE, None))
+                            rows.append(new(PlainRow, (i, True, True, ow, gam, fsdp, A_NONE, None)))
                             continue
                         ptr = _data_ptr(mg)  # TypeError unless a tensor
                         dtype = mg.dtype
@@ -522,13 +532,13 @@ class Site:
                                 and not self._validate(i, p, mg, ptr)
                             ):
                                 break
-                            meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
+                            meta = metas[i] = new(BufferMeta, (ptr, dtype, mg.shape, mg.device))
                         if rows is None:
                             row = last[i]
                             if row[1] is meta and row[2] is ow and row[3] is gam and row[4] is fsdp:
                                 continue
                             rows = list(last[:i])
-                        rows.append((i, meta, ow, gam, fsdp))
+                        rows.append(new(TensorRow, (i, meta, ow, gam, fsdp)))
                     else:
                         if rows is None:
                             rows = last
@@ -536,7 +546,7 @@ class Site:
                             rows = self.fwd_rows = tuple(rows)
                         rt = self.rt
                         n = self.nslots
-                        rt.ring.push((n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
+                        rt.ring.push(new(CallEntry, (n, rows, time_ns(), rt.step, mb, FORWARD, self.index)))
                         self.records += n
                         fwd = rows
                 except AttributeError:  # main_grad absent (the general path sees to it), or a flag
@@ -654,6 +664,7 @@ class Site:
         raises AttributeError, and `_all_present_slow` answers with getattr, as before.
         """
         strict = self.strict
+        found: Any
         try:
             for owner, getter, single, whole in self.fast:
                 params = owner._parameters
@@ -673,6 +684,7 @@ class Site:
 
     def _all_present_slow(self) -> bool:
         strict = self.strict
+        found: Any
         try:
             for owner, getter, single, whole in self.fast:
                 params = owner._parameters
@@ -699,7 +711,7 @@ class Site:
         if position is None:
             return
         for hook in hooks[position + 1 :]:
-            name = getattr(hook, "__qualname__", None) or getattr(
+            name: str = getattr(hook, "__qualname__", "") or getattr(
                 getattr(hook, "func", None), "__qualname__", ""
             )
             if "unshard" in name or "all_gather" in name:
@@ -786,7 +798,7 @@ class Site:
         plain = self.flag_reads
         metas = self.buffer_meta
         last = self.fwd_rows
-        rows = None  # stays None while every row is the last call's
+        rows: Any = None  # stays None while every row is the last call's
         for i, p in enumerate(found):
             mg = p.main_grad
             if plain:
@@ -809,7 +821,7 @@ class Site:
                     if row[1] is True and row[3] is ow and row[4] is gam and row[5] is fsdp:
                         continue
                     rows = list(last[:i])
-                rows.append((i, True, True, ow, gam, fsdp, A_NONE, None))
+                rows.append(new(PlainRow, (i, True, True, ow, gam, fsdp, A_NONE, None)))
                 continue
             ptr = _data_ptr(mg)  # TypeError unless a tensor
             dtype = mg.dtype
@@ -817,20 +829,20 @@ class Site:
             if meta[0] != ptr or meta[1] is not dtype:  # a buffer new to this slot: validated first
                 if ptr != self.checked_ptr[i] and self.wgrads[i] and not self._validate(i, p, mg, ptr):
                     return _SLOW
-                meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
+                meta = metas[i] = new(BufferMeta, (ptr, dtype, mg.shape, mg.device))
             if rows is None:
                 row = last[i]
                 if row[1] is meta and row[2] is ow and row[3] is gam and row[4] is fsdp:
                     continue
                 rows = list(last[:i])
-            rows.append((i, meta, ow, gam, fsdp))
+            rows.append(new(TensorRow, (i, meta, ow, gam, fsdp)))
         if rows is None:
             rows = last
         else:
             rows = self.fwd_rows = tuple(rows)
         rt = self.rt
         n = self.nslots
-        rt.ring.push((n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
+        rt.ring.push(new(CallEntry, (n, rows, time_ns(), rt.step, mb, FORWARD, self.index)))
         self.records += n
         return rows
 
@@ -841,7 +853,7 @@ class Site:
         checked = self.checked_ptr
         wgrads = self.wgrads
         plain = self.flag_reads
-        ptrs = []
+        ptrs: list[int] = []
         keep = ptrs.append
         for i, p in enumerate(found):
             mg = p.main_grad
@@ -868,7 +880,7 @@ class Site:
             keep(ptr)
         return ptrs
 
-    def _fast_backward(self, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:
+    def _fast_backward(self, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:  # noqa: C901 - hot path inlined on purpose
         """The backward steady state of a small site (see `_fast_forward`), overwrite detection included.
 
         The one anomaly it records itself is `overwrite_discards_microbatch` (not fatal: check mode does not
@@ -888,7 +900,7 @@ class Site:
         if record:
             metas = self.buffer_meta
             last_rows = self.bwd_rows
-            rows = None  # stays None while every row is the last call's (see fwd_rows)
+            rows: Any = None  # stays None while every row is the last call's (see fwd_rows)
         for i, p in enumerate(found):
             mg = p.main_grad
             if plain:
@@ -913,7 +925,7 @@ class Site:
                         if row[1] is True and row[3] is ow and row[4] is gam and row[5] is fsdp:
                             continue
                         rows = list(last_rows[:i])
-                    rows.append((i, True, True, ow, gam, fsdp, A_NONE, None))
+                    rows.append(new(PlainRow, (i, True, True, ow, gam, fsdp, A_NONE, None)))
                 continue
             ptr = _data_ptr(mg)
             if record:
@@ -922,7 +934,7 @@ class Site:
                 if meta[0] != ptr or meta[1] is not dtype:  # a buffer new to this slot: validated first
                     if ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
                         return _SLOW
-                    meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
+                    meta = metas[i] = new(BufferMeta, (ptr, dtype, mg.shape, mg.device))
             elif ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
                 return _SLOW
             keep(ptr)
@@ -946,11 +958,11 @@ class Site:
                         if row[1] is meta and row[2] is ow and row[3] is gam and row[4] is fsdp:
                             continue
                         rows = list(last_rows[:i])
-                    rows.append((i, meta, ow, gam, fsdp))
+                    rows.append(new(TensorRow, (i, meta, ow, gam, fsdp)))
                 else:
                     if rows is None:
                         rows = list(last_rows[:i])
-                    rows.append((i, meta, ow, gam, fsdp, A_NONE, anomaly))
+                    rows.append(new(FlaggedRow, (i, meta, ow, gam, fsdp, A_NONE, anomaly)))
         self.last_bwd_ptr = ptrs
         if exact is not None:
             self.exact_overwrite = exact
@@ -960,16 +972,16 @@ class Site:
             if rows is None:
                 rows = last_rows
             elif flagged:
-                rows = tuple(rows)  # holds anomaly rows: never reused (bwd_rows holds 5-rows only)
+                rows = tuple(rows)  # holds anomaly rows: never reused (bwd_rows holds TensorRows only)
             else:
                 rows = self.bwd_rows = tuple(rows)
             rt = self.rt
             n = len(rows)
-            rt.ring.push((n, rows, time_ns(), rt.step, mb, BACKWARD, self.index))
+            rt.ring.push(new(CallEntry, (n, rows, time_ns(), rt.step, mb, BACKWARD, self.index)))
             self.records += n
         return None
 
-    def _inspect_vectorised(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:
+    def _inspect_vectorised(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:  # noqa: C901 - hot path inlined on purpose
         """The steady state in C-level passes (map over the parameter list), recorded as one columnar entry.
 
         Returns what `_inspect` returns, or `_SLOW` (having changed nothing but `checked_ptr` entries it
@@ -1055,7 +1067,7 @@ class Site:
                 fsdps = prev[6]
             self.columns = (ptrs, dtypes, shapes, devices, ows, gams, fsdps)
             rt.ring.push(
-                (n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, time_ns(), rt.step, mb, phase, self.index)
+                new(ColumnsEntry, (n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, time_ns(), rt.step, mb, phase, self.index))
             )  # fmt: skip
             self.records += n
         if not forward:
@@ -1063,7 +1075,10 @@ class Site:
             return None
         return ptrs if (record or rt.check) else None
 
-    def _inspect_each(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None) -> list[int] | None:
+    # noqa below: every case of one parameter in one loop, the reference the fast paths are tested against.
+    def _inspect_each(  # noqa: C901
+        self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None
+    ) -> list[int] | None:
         """The general per-parameter path: exposes, forces, flags and records anomalies; raises in check mode."""
         rt = self.rt
         forward = phase == FORWARD
@@ -1078,7 +1093,10 @@ class Site:
             self.last_bwd_ptr = last
         anomalies = self.anomalies
         problems: list[tuple[str, str, Any]] | None = None
-        rows: list[tuple] | None = None
+        rows: list[Any] | None = None
+        found: Any
+        mg: Any
+        ptr: Any  # an int where main_grad is a tensor, else None
         if record:
             t, step = time_ns(), rt.step
             rows = []
@@ -1124,14 +1142,14 @@ class Site:
                                     meta = metas[i]
                                     dtype = mg.dtype
                                     if meta[0] != ptr or meta[1] is not dtype:
-                                        meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
-                                    append((i, meta, ow, gam, hasattr(p, "__fsdp_param__")))
+                                        meta = metas[i] = new(BufferMeta, (ptr, dtype, mg.shape, mg.device))
+                                    append(new(TensorRow, (i, meta, ow, gam, hasattr(p, "__fsdp_param__"))))
                                 continue
                         # Slow path: anything missing, odd, to expose, to force, or to flag.
                         if p is None:
                             anomalies[PARAM_MISSING] = anomalies.get(PARAM_MISSING, 0) + 1
                             if record:
-                                append((i, False, None, None, None, False, A_NONE, PARAM_MISSING))
+                                append(PlainRow(i, False, None, None, None, False, A_NONE, PARAM_MISSING))
                             continue
                         action = A_NONE
                         anomaly = None
@@ -1190,15 +1208,15 @@ class Site:
                         if record:
                             if is_tensor:
                                 append(
-                                    (
-                                        i, (ptr, mg.dtype, mg.shape, mg.device), ow, gam,
+                                    FlaggedRow(
+                                        i, BufferMeta(ptr, mg.dtype, mg.shape, mg.device), ow, gam,
                                         hasattr(p, "__fsdp_param__"), action, anomaly,
                                     )
                                 )  # fmt: skip
                             else:
                                 has = mg is not _MISSING
                                 append(
-                                    (
+                                    PlainRow(
                                         i, has, (mg is None) if has else None, ow, gam,
                                         hasattr(p, "__fsdp_param__"), action, anomaly,
                                     )
@@ -1207,7 +1225,7 @@ class Site:
                         rt.hook_error(self, phase, mb, i, exc, rows)
         finally:
             if rows:  # whatever was recorded, even if something above escaped
-                rt.ring.push((len(rows), rows, t, step, mb, phase, self.index))
+                rt.ring.push(CallEntry(len(rows), rows, t, step, mb, phase, self.index))
         if record:
             self.records += self.nslots
         if problems:

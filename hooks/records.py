@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 from maingrad.contracts.records import ACTIONS, PHASES, SCHEMA_VERSION, WHOLE_CALL
 
@@ -21,53 +21,182 @@ from maingrad.contracts.records import ACTIONS, PHASES, SCHEMA_VERSION, WHOLE_CA
 FORWARD, BACKWARD = 0, 1
 A_NONE, A_EXPOSED, A_RAISED, A_ERROR = 0, 1, 2, 3
 
-# Row layout (tuple positions) of the rows the ring hands out (`take_new`, `snapshot`); `to_dict` reads them.
-R_SEQ, R_T, R_STEP, R_MB, R_PHASE, R_SITE, R_SLOT = 0, 1, 2, 3, 4, 5, 6
-R_HAS, R_ISNONE, R_DTYPE, R_SHAPE, R_DEVICE, R_PTR, R_OW, R_GAM, R_FSDP, R_ACTION, R_ANOMALY = range(7, 18)
+# The shapes the hooks push (instrument.py builds them) and the rows the ring hands out. Each is a NamedTuple,
+# so every record shape has a name and its fields are readable by name; the hot path builds them with
+# `new(Shape, (...))` (tuple.__new__: about half the cost of calling the class) and reads them by position
+# where a loop runs once per parameter. Expanding entries into rows, formatting and the sequence numbers wait
+# for the flush, off the hot path. Entries, rows and their column lists may be the very objects of an earlier
+# entry (the hooks push what they last pushed again when nothing changed), so nothing may modify them.
 
-# What the hooks push instead (instrument.py builds these): one entry per recorded call, element 0 its row
-# count, the call's (t_ns, step, microbatch, phase, site) last; told apart by length:
-#   7: (n, rows, t, step, mb, phase, site)  rows, one per slot, told apart by length:
-#       5: (slot, meta, ow, gam, fsdp)                       main_grad a tensor; no action, no anomaly
-#       7: (slot, meta, ow, gam, fsdp, action, anomaly)      main_grad a tensor
-#       8: (slot, has, is_none, ow, gam, fsdp, action, anomaly)  main_grad not a tensor (or no parameter)
-#      17: a whole row without its sequence number (hook_error rows, which carry their own time)
-#     meta = (data_ptr, dtype, shape, device) of the buffer, shared by every row of the same buffer. `rows` (a
-#     tuple from the fast paths) and the column lists below may be the very objects of an earlier entry: the
-#     hooks push what they last pushed again when nothing changed, so nothing may modify them.
-#  14: (n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, t, step, mb, phase, site)  slots
-#      0..n-1 as columns (lists); anomalies is None when there is none; action "none".
-#   2: (n, rows)  rows of 17 only (a hook_error outside any recorded call).
-# Expanding them into rows, formatting and the sequence numbers all wait for the flush, off the hot path.
+new = tuple.__new__
 
 
-def _expand(entry: tuple, seq: int, out: list[tuple]) -> None:
+class BufferMeta(NamedTuple):
+    """What a record says of a main_grad tensor: shared by every row of the same buffer (no tensor held)."""
+
+    data_ptr: int
+    dtype: Any
+    shape: Any
+    device: Any
+
+
+class TensorRow(NamedTuple):
+    """One slot whose main_grad is a tensor, with no action and no anomaly: the steady state."""
+
+    slot: int
+    meta: BufferMeta
+    ow: Any  # overwrite_main_grad as read (bool or None when absent)
+    gam: Any  # grad_added_to_main_grad as read
+    fsdp: bool  # the parameter carries __fsdp_param__
+
+
+class FlaggedRow(NamedTuple):
+    """One slot whose main_grad is a tensor, with an action or an anomaly."""
+
+    slot: int
+    meta: BufferMeta
+    ow: Any
+    gam: Any
+    fsdp: bool
+    action: int  # index into ACTIONS
+    anomaly: str | None
+
+
+class PlainRow(NamedTuple):
+    """One slot whose main_grad is not a tensor (absent, None, something else) or whose parameter is gone."""
+
+    slot: int
+    has: bool  # main_grad attribute present
+    is_none: bool | None
+    ow: Any
+    gam: Any
+    fsdp: bool
+    action: int
+    anomaly: str | None
+
+
+class ErrorRow(NamedTuple):
+    """A hook_error: a whole row but its sequence number; it carries its own time."""
+
+    t: int
+    step: int
+    mb: int
+    phase: int
+    site: int
+    slot: int
+    has: bool
+    is_none: bool | None
+    dtype: Any
+    shape: Any
+    device: Any
+    data_ptr: int | None
+    ow: Any
+    gam: Any
+    fsdp: bool
+    action: int
+    anomaly: str | None
+
+
+SlotRow = TensorRow | FlaggedRow | PlainRow | ErrorRow
+
+
+class CallEntry(NamedTuple):
+    """One recorded call of a site: one row per slot (an ErrorRow may stand among them)."""
+
+    n: int  # rows
+    rows: Sequence[SlotRow]
+    t: int
+    step: int
+    mb: int
+    phase: int  # FORWARD / BACKWARD
+    site: int
+
+
+class ColumnsEntry(NamedTuple):
+    """One recorded call of a large site from the vectorised path: slots 0..n-1 as columns, action "none"."""
+
+    n: int
+    ptrs: list[int]
+    dtypes: list[Any]
+    shapes: list[Any]
+    devices: list[Any]
+    ows: list[Any]
+    gams: list[Any]
+    fsdps: list[bool]
+    anomalies: list[str | None] | None  # None when there is none
+    t: int
+    step: int
+    mb: int
+    phase: int
+    site: int
+
+
+class ErrorEntry(NamedTuple):
+    """A hook_error outside any recorded call."""
+
+    n: int
+    rows: list[ErrorRow]
+
+
+Entry = CallEntry | ColumnsEntry | ErrorEntry
+
+
+class Row(NamedTuple):
+    """A whole record row as the ring hands it out (`take_new`, `snapshot`); `to_dict` formats it."""
+
+    seq: int
+    t: int
+    step: int
+    mb: int
+    phase: int
+    site: int
+    slot: int
+    has: bool
+    is_none: bool | None
+    dtype: Any
+    shape: Any
+    device: Any
+    data_ptr: int | None
+    ow: Any
+    gam: Any
+    fsdp: bool
+    action: int
+    anomaly: str | None
+
+
+def _expand(entry: Entry, seq: int, out: list[Row]) -> None:
     """Append the full rows of one entry, numbered from `seq`."""
-    if len(entry) == 14:
+    if type(entry) is ColumnsEntry:
         n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, t, step, mb, phase, site = entry
         out.extend(
-            zip(
-                range(seq, seq + n), repeat(t), repeat(step), repeat(mb), repeat(phase), repeat(site), range(n),
-                repeat(True), repeat(False), dtypes, shapes, devices, ptrs, ows, gams, fsdps, repeat(A_NONE),
-                anomalies if anomalies is not None else repeat(None), strict=False,
+            map(
+                new,
+                repeat(Row),
+                zip(
+                    range(seq, seq + n), repeat(t), repeat(step), repeat(mb), repeat(phase), repeat(site), range(n),
+                    repeat(True), repeat(False), dtypes, shapes, devices, ptrs, ows, gams, fsdps, repeat(A_NONE),
+                    anomalies if anomalies is not None else repeat(None), strict=False,
+                ),
             )
         )  # fmt: skip
         return
-    t, step, mb, phase, site = entry[2:] if len(entry) == 7 else (None,) * 5
+    # An ErrorEntry has no call: its rows carry their own.
+    head: tuple[Any, ...] = entry[2:] if type(entry) is CallEntry else (None,) * 5
+    t, step, mb, phase, site = head
     append = out.append
-    for row in entry[1]:
-        size = len(row)
-        if size == 5:
+    rows: Sequence[SlotRow] = entry.rows  # type: ignore[union-attr]  # ColumnsEntry returned above
+    for row in rows:
+        if type(row) is TensorRow:
             slot, (ptr, dtype, shape, device), ow, gam, fsdp = row
-            append((seq, t, step, mb, phase, site, slot, True, False, dtype, shape, device, ptr, ow, gam, fsdp, A_NONE, None))  # fmt: skip
-        elif size == 7:
+            append(new(Row, (seq, t, step, mb, phase, site, slot, True, False, dtype, shape, device, ptr, ow, gam, fsdp, A_NONE, None)))  # fmt: skip
+        elif type(row) is FlaggedRow:
             slot, (ptr, dtype, shape, device), ow, gam, fsdp, action, anomaly = row
-            append((seq, t, step, mb, phase, site, slot, True, False, dtype, shape, device, ptr, ow, gam, fsdp, action, anomaly))  # fmt: skip
-        elif size == 8:
+            append(new(Row, (seq, t, step, mb, phase, site, slot, True, False, dtype, shape, device, ptr, ow, gam, fsdp, action, anomaly)))  # fmt: skip
+        elif type(row) is PlainRow:
             slot, has, is_none, ow, gam, fsdp, action, anomaly = row
-            append((seq, t, step, mb, phase, site, slot, has, is_none, None, None, None, None, ow, gam, fsdp, action, anomaly))  # fmt: skip
-        else:
-            append((seq, *row))
+            append(new(Row, (seq, t, step, mb, phase, site, slot, has, is_none, None, None, None, None, ow, gam, fsdp, action, anomaly)))  # fmt: skip
+        else:  # an ErrorRow: a whole row but its number (the only rows of an ErrorEntry)
+            append(new(Row, (seq, *row)))
         seq += 1
 
 
@@ -98,8 +227,8 @@ class RecordRing:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
-        self.current: deque[tuple] = deque()
-        self.previous: deque[tuple] = deque()  # the generation before: >= capacity rows once there is one
+        self.current: deque[Entry] = deque()
+        self.previous: deque[Entry] = deque()  # the generation before: >= capacity rows once there is one
         self.held = 0  # rows in `current`
         self.held_previous = 0
         self.dropped = 0  # rows of freed generations
@@ -114,7 +243,7 @@ class RecordRing:
         """Rows ever pushed: the sequence number of the newest one."""
         return self.held + self.held_previous + self.dropped
 
-    def push(self, entry: tuple) -> None:
+    def push(self, entry: Entry) -> None:
         """Add one call's entry (`entry[0]` rows, >= 1); the hooks' only write."""
         self.current.append(entry)
         self.held += entry[0]
@@ -125,31 +254,31 @@ class RecordRing:
             self.current = deque()
             self.held = 0
 
-    def _tail(self, count: int) -> list[tuple]:
+    def _tail(self, count: int) -> list[Row]:
         """The newest `count` rows (count <= len(self)), oldest first, numbered."""
         if count <= 0:
             return []
-        chosen: list[tuple] = []
+        chosen: list[Entry] = []
         covered = 0
         for entry in chain(reversed(self.current), reversed(self.previous)):
             chosen.append(entry)
             covered += entry[0]
             if covered >= count:
                 break
-        rows: list[tuple] = []
+        rows: list[Row] = []
         seq = self.total - covered + 1
         for entry in reversed(chosen):
             _expand(entry, seq, rows)
             seq += entry[0]
         return rows[len(rows) - count :] if len(rows) > count else rows
 
-    def snapshot(self) -> list[tuple]:
+    def snapshot(self) -> list[Row]:
         """Every row still held (the newest `capacity`), oldest first; consumes nothing."""
         return self._tail(len(self))
 
     rows = property(snapshot, doc="Same as snapshot(): the rows still held, as full row tuples.")
 
-    def take_new(self) -> list[tuple]:
+    def take_new(self) -> list[Row]:
         """Rows pushed since the previous call, oldest first; counts rows lost to overwriting."""
         new = self.total - self.flushed
         kept = min(new, self.capacity)
@@ -174,50 +303,46 @@ def _opt_bool(value: Any) -> bool | None:
     return value if type(value) is bool else None
 
 
-def to_dict(
-    row: Sequence[Any], meta: RunMeta, modules: Sequence[str], params: Sequence[Sequence[str]]
-) -> dict:
+def to_dict(row: Row, meta: RunMeta, modules: Sequence[str], params: Sequence[Sequence[str]]) -> dict:
     """One schema record (an ordered dict with exactly FIELDS) from a hook row."""
-    site, slot = row[R_SITE], row[R_SLOT]
-    shape = row[R_SHAPE]
-    dtype = row[R_DTYPE]
-    device = row[R_DEVICE]
+    site, slot = row.site, row.slot
+    shape, dtype, device = row.shape, row.dtype, row.device
     return {
         "schema": SCHEMA_VERSION,
-        "id": f"{meta.run}:{meta.rank}:{row[R_SEQ]}",
+        "id": f"{meta.run}:{meta.rank}:{row.seq}",
         "run": meta.run,
         "rank": meta.rank,
-        "step": row[R_STEP],
-        "microbatch": row[R_MB],
-        "phase": PHASES[row[R_PHASE]],
+        "step": row.step,
+        "microbatch": row.mb,
+        "phase": PHASES[row.phase],
         "module": modules[site],
         "param": WHOLE_CALL if slot < 0 else params[site][slot],
-        "has_main_grad": bool(row[R_HAS]),
-        "main_grad_is_none": _opt_bool(row[R_ISNONE]),
+        "has_main_grad": bool(row.has),
+        "main_grad_is_none": _opt_bool(row.is_none),
         "dtype": None if dtype is None else str(dtype),
         "shape": None if shape is None else [int(d) for d in shape],
         "device": None if device is None else str(device),
-        "data_ptr": row[R_PTR],
-        "overwrite_main_grad": _opt_bool(row[R_OW]),
-        "grad_added_to_main_grad": _opt_bool(row[R_GAM]),
-        "is_fsdp_param": bool(row[R_FSDP]),
-        "action": ACTIONS[row[R_ACTION]],
-        "anomaly": row[R_ANOMALY],
+        "data_ptr": row.data_ptr,
+        "overwrite_main_grad": _opt_bool(row.ow),
+        "grad_added_to_main_grad": _opt_bool(row.gam),
+        "is_fsdp_param": bool(row.fsdp),
+        "action": ACTIONS[row.action],
+        "anomaly": row.anomaly,
         "mode": meta.mode,
         "commit": meta.commit,
-        "t_ns": row[R_T],
+        "t_ns": row.t,
     }
 
 
 def to_dicts(
-    rows: Iterable[Sequence[Any]], meta: RunMeta, modules: Sequence[str], params: Sequence[Sequence[str]]
+    rows: Iterable[Row], meta: RunMeta, modules: Sequence[str], params: Sequence[Sequence[str]]
 ) -> list[dict]:
     """`to_dict` of every row, the same dicts, faster: each distinct dtype, shape and device object is
     formatted once per call (rows of one buffer share those objects: see instrument.py's buffer metadata)."""
     run, rank, mode, commit = meta.run, meta.rank, meta.mode, meta.commit
     prefix = f"{run}:{rank}:"
     formatted: dict[int, tuple[Any, Any]] = {}  # id(obj) -> (obj, text); obj held so its id stays its own
-    out = []
+    out: list[dict] = []
     append = out.append
     for row in rows:
         (

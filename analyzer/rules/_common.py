@@ -6,7 +6,12 @@ Three questions recur across rules, and answering them the same way everywhere k
   False)`, `getattr(R, "get_main_grad", None) is None`, `not ...`, `and`/`or`), and which such facts hold on the
   path to a node (enclosing branches, early exits, asserts, `try/except AttributeError`);
 * whether a statement exposes `R.main_grad` from `R.get_main_grad()` (or through a configured helper);
+* which expressions of a function denote a main_grad buffer (`MainGradScope`), and what a write into one
+  looks like (`out_pairs`);
 * small syntax utilities (string constants, dotted receivers, enclosing functions/classes).
+
+The words themselves (kernels, flags, wrapper names) live in `maingrad.analyzer.facts`, shared with the
+`ast` syntax gate; rules import helpers from here and never from each other.
 
 Receivers are compared by their whitespace-normalised source text, so `weight` and `ctx.weight` are different
 parameters and `self.linear_fc1` matches itself wherever it is written.
@@ -15,18 +20,26 @@ parameters and `self.linear_fc1` matches itself wherever it is written.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 
 from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.facts import (
+    BOOL_PREFIX,
+    BUILTIN_EXPOSURE_FUNCS,
+    FSDP_MARKERS,
+    KERNELS,
+    MAIN_GRAD,
+    OVERWRITE_FLAG,
+    OVERWRITE_READERS,
+    VIEW_METHODS,
+    WRAPPER_CLASS,
+    is_main_grad_name,
+    is_wrapper_path,
+)
 from maingrad.analyzer.names import dotted_name
-
-# Attributes whose presence on a parameter means "Megatron-FSDP parameter: get_main_grad() exists".
-FSDP_MARKERS = frozenset({"get_main_grad", "__fsdp_param__"})
-# Functions that set `param.main_grad` from `param.get_main_grad()` themselves (TE's ops helper).
-BUILTIN_EXPOSURE_FUNCS = frozenset({"get_main_grad_from_param"})
 
 PRESENT = "present"  # the parameter has get_main_grad (a Megatron-FSDP parameter)
 ABSENT = "absent"  # the parameter has no get_main_grad (a DDP / plain parameter)
@@ -524,3 +537,272 @@ def in_fsdp_only_code(ctx: FileContext, node: cst.CSTNode) -> bool:
 
 def names_in(nodes: Sequence[cst.CSTNode]) -> set[str]:
     return {n.value for node in nodes for n in all_nodes(node, cst.Name)}
+
+
+def function_of(ctx: FileContext, node: cst.CSTNode) -> cst.FunctionDef | None:
+    """The nearest enclosing def, through lambdas (unlike `enclosing_function`)."""
+    for ancestor in ctx.ancestors(node):
+        if isinstance(ancestor, cst.FunctionDef):
+            return ancestor
+    return None
+
+
+def in_wrapper(ctx: FileContext, node: cst.CSTNode) -> bool:
+    """Is `node` in the data-parallel wrapper's own code (by path or by enclosing class name)?"""
+    if is_wrapper_path(ctx.path):
+        return True
+    return any(
+        isinstance(a, cst.ClassDef) and WRAPPER_CLASS.search(a.name.value) for a in ctx.ancestors(node)
+    )
+
+
+# main_grad buffers ------------------------------------------------------------------------------------
+@dataclass
+class MainGradScope:
+    """Which expressions of one function (and the functions it is nested in) denote a main_grad buffer."""
+
+    ctx: FileContext
+    func: cst.FunctionDef | None
+    bindings: dict[str, list[cst.BaseExpression]] = field(default_factory=dict)
+    aliases: set[str] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, ctx: FileContext, func: cst.FunctionDef | None) -> MainGradScope:
+        scope = cls(ctx, func)
+        chain = [func] if func is not None else []
+        chain += (
+            [a for a in ctx.ancestors(func) if isinstance(a, cst.FunctionDef)] if func is not None else []
+        )
+        for owner in reversed(chain):  # inner bindings win
+            for node in own_nodes(owner, cst.Assign, cst.AnnAssign):
+                targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+                if node.value is None:
+                    continue
+                for target in targets:
+                    if isinstance(target, cst.Name):
+                        scope.bindings.setdefault(target.value, []).append(node.value)
+        for _ in range(4):
+            grew = False
+            for name, values in scope.bindings.items():
+                if name not in scope.aliases and any(scope.is_main_grad(v) for v in values):
+                    scope.aliases.add(name)
+                    grew = True
+            if not grew:
+                break
+        return scope
+
+    def is_main_grad(self, expr: cst.BaseExpression) -> bool:
+        """Does `expr` evaluate to a main_grad buffer (or a list/view of them)?"""
+        if isinstance(expr, cst.Attribute):
+            return expr.attr.value == MAIN_GRAD
+        if isinstance(expr, cst.Name):
+            return expr.value in self.aliases or is_main_grad_name(expr.value)
+        if isinstance(expr, cst.Subscript):
+            return self.is_main_grad(expr.value)
+        if isinstance(expr, cst.Call):
+            func = expr.func
+            name = func.attr.value if isinstance(func, cst.Attribute) else dotted_name(func) or ""
+            if MAIN_GRAD in name.rsplit(".", 1)[-1] and not BOOL_PREFIX.match(name.rsplit(".", 1)[-1]):
+                return True
+            return isinstance(func, cst.Attribute) and name in VIEW_METHODS and self.is_main_grad(func.value)
+        if isinstance(expr, cst.IfExp):
+            return self.is_main_grad(expr.body) or self.is_main_grad(expr.orelse)
+        if isinstance(expr, (cst.List, cst.Tuple)):
+            return any(isinstance(e, cst.Element) and self.is_main_grad(e.value) for e in expr.elements)
+        if isinstance(expr, (cst.ListComp, cst.GeneratorExp)):
+            return self.is_main_grad(expr.elt)
+        return False
+
+    def mentions_main_grad(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        """Does `expr` read a main_grad buffer anywhere (`main_grad.dtype`, `dw.dtype` with `dw` an alias)?"""
+        if MAIN_GRAD in code_of(expr):
+            return True
+        for name in all_nodes(expr, cst.Name):
+            if isinstance(name, cst.Name) and name.value in self.aliases:
+                return True
+            if (
+                depth < 3
+                and isinstance(name, cst.Name)
+                and any(self.mentions_main_grad(v, depth + 1) for v in self.bindings.get(name.value, []))
+            ):
+                return True
+        return False
+
+    def owner(self, expr: cst.BaseExpression) -> cst.BaseExpression | None:
+        """`W` for `W.main_grad` (through views, subscripts and local aliases bound once), else None."""
+        if isinstance(expr, cst.Attribute) and expr.attr.value == MAIN_GRAD:
+            return expr.value
+        if isinstance(expr, cst.Subscript):
+            return self.owner(expr.value)
+        if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+            if expr.func.attr.value == "get_main_grad":
+                return expr.func.value
+            if expr.func.attr.value in VIEW_METHODS:
+                return self.owner(expr.func.value)
+        if isinstance(expr, cst.Call) and (dotted_name(expr.func) or "").endswith("get_main_grad_from_param"):
+            args = positional(expr)
+            return args[0].value if args else None
+        if isinstance(expr, cst.Name):
+            values = self.bindings.get(expr.value, [])
+            owners = {code_of(o): o for v in values if (o := self.owner(v)) is not None}
+            if len(owners) == 1:
+                return next(iter(owners.values()))
+        return None
+
+
+def out_pairs(node: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression | None, cst.CSTNode] | None:
+    """(out, out_dtype, out_dtype holder) for a call with `out=` or a `{"out": ...}` kwargs literal."""
+    if isinstance(node, cst.Call):
+        out = keyword(node, "out")
+        if out is None:
+            return None
+        dtype = keyword(node, "out_dtype")
+        return out.value, dtype.value if dtype else None, dtype if dtype else node
+    if isinstance(node, cst.Dict):
+        found: dict[str, cst.DictElement] = {}
+        for element in node.elements:
+            if isinstance(element, cst.DictElement):
+                key = string_value(element.key)
+                if key in ("out", "out_dtype"):
+                    found[key] = element
+        if "out" not in found:
+            return None
+        dtype = found.get("out_dtype")
+        return found["out"].value, dtype.value if dtype else None, dtype if dtype else node
+    return None
+
+
+def reads_param_grad(expr: cst.BaseExpression) -> bool:
+    """`param.grad`, `to_local(param.grad)`, `param.grad.data`: the hook moving `.grad`, not a fused write."""
+    return any(isinstance(n, cst.Attribute) and n.attr.value == "grad" for n in walk.walk(expr))
+
+
+def written_buffer(node: cst.CSTNode) -> cst.BaseExpression | None:
+    """The expression a candidate wgrad write writes into, before deciding whether it is a main_grad: the
+    third argument of a `wgrad_gemm_accum_*` kernel, the receiver of `add_`/`copy_` (unless the value
+    moved is a parameter's `.grad`), the target of `+=`, an `out=` keyword or a `{"out": ...}` display."""
+    if isinstance(node, cst.AugAssign):
+        return node.target if isinstance(node.operator, cst.AddAssign) else None
+    if isinstance(node, cst.Call):
+        func = node.func
+        method = func.attr.value if isinstance(func, cst.Attribute) else None
+        if method in KERNELS:
+            args = positional(node)
+            return args[2].value if len(args) >= 3 else None
+        if method in ("add_", "copy_") and isinstance(func, cst.Attribute):
+            args = positional(node)
+            if args and not reads_param_grad(args[0].value):
+                return func.value
+            return None
+        if keyword(node, "out") is None:
+            return None
+    if isinstance(node, (cst.Call, cst.Dict)):
+        pair = out_pairs(node)
+        return pair[0] if pair is not None else None
+    return None
+
+
+# Values read from the overwrite flag ------------------------------------------------------------------
+class FlagDerivation:
+    """Which expressions of a file carry the value of `overwrite_main_grad` (the wrapper's per-parameter
+    "overwrite, don't accumulate" flag), across the file's functions.
+
+    Seeds: an `X.overwrite_main_grad` attribute, the string `"overwrite_main_grad"` (`getattr`), and calls
+    of `facts.OVERWRITE_READERS`. Then, to a fixpoint over every assignment of the file: a local name
+    (per function, visible in nested functions) or an attribute name (`bwd_args.origin_weight_overwrites`,
+    by its last part, file-wide: forward and backward usually share a context object) assigned a carrying
+    value carries it, and so does a call of a same-file function that returns one. Flow-insensitive on
+    purpose: a name assigned the flag anywhere in a function may hold it at any later read."""
+
+    def __init__(self, ctx: FileContext) -> None:
+        self.ctx = ctx
+        self.locals: set[tuple[int, str]] = set()  # (id of function or 0 for module, name)
+        self.attrs: set[str] = set()
+        self.readers: set[str] = set(OVERWRITE_READERS)
+        if OVERWRITE_FLAG not in ctx.source and not any(r in ctx.source for r in OVERWRITE_READERS):
+            return  # no seed anywhere: nothing carries the flag
+        assigns = [
+            n for n in ctx.nodes(cst.Assign, cst.AnnAssign, cst.AugAssign) if getattr(n, "value", None)
+        ]
+        functions = [f for f in ctx.nodes(cst.FunctionDef) if isinstance(f, cst.FunctionDef)]
+        for _ in range(8):
+            grew = False
+            for node in assigns:
+                owner = function_of(ctx, node)
+                if not self.carries(node.value, owner):  # type: ignore[attr-defined]
+                    continue
+                targets = (
+                    [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]  # type: ignore[attr-defined]
+                )
+                for target in targets:
+                    for leaf in _target_leaves(target):
+                        if isinstance(leaf, cst.Name):
+                            key = (id(owner) if owner is not None else 0, leaf.value)
+                            if key not in self.locals:
+                                self.locals.add(key)
+                                grew = True
+                        elif isinstance(leaf, cst.Attribute) and leaf.attr.value not in self.attrs:
+                            self.attrs.add(leaf.attr.value)
+                            grew = True
+            for func in functions:
+                if func.name.value in self.readers:
+                    continue
+                returns = [r for r in own_nodes(func.body, cst.Return) if isinstance(r, cst.Return)]
+                if any(r.value is not None and self.carries(r.value, func) for r in returns):
+                    self.readers.add(func.name.value)
+                    grew = True
+            if not grew:
+                break
+
+    def carries(self, expr: cst.CSTNode, func: cst.FunctionDef | None) -> bool:
+        """Whether evaluating `expr` (inside `func`) reads the overwrite flag."""
+        chain = (
+            [func, *(a for a in self.ctx.ancestors(func) if isinstance(a, cst.FunctionDef))] if func else []
+        )
+        scopes = {id(f) for f in chain} | {0}
+        for node in walk.walk(expr):
+            if isinstance(node, cst.Attribute):
+                if node.attr.value == OVERWRITE_FLAG or node.attr.value in self.attrs:
+                    return True
+            elif isinstance(node, cst.Name):
+                if any((scope, node.value) in self.locals for scope in scopes):
+                    return True
+            elif isinstance(node, cst.SimpleString):
+                if string_value(node) == OVERWRITE_FLAG:
+                    return True
+            elif isinstance(node, cst.Call):
+                name = (dotted_name(node.func) or "").rsplit(".", 1)[-1]
+                if name in self.readers:
+                    return True
+        return False
+
+    def guarded_by(self, node: cst.CSTNode, func: cst.FunctionDef | None) -> cst.BaseExpression | None:
+        """The innermost test that decides whether `node` runs (an enclosing if/elif/while/ternary test, or
+        the left operand of `a and node`/`a or node`) and that reads the flag, else None."""
+        child: cst.CSTNode = node
+        for parent in self.ctx.ancestors(node):
+            test: cst.BaseExpression | None = None
+            if (
+                isinstance(parent, (cst.If, cst.IfExp))
+                and (child is parent.body or child is parent.orelse)
+                or isinstance(parent, cst.While)
+                and child is parent.body
+            ):
+                test = parent.test
+            elif isinstance(parent, cst.BooleanOperation) and child is parent.right:
+                test = parent.left
+            if test is not None and self.carries(test, func):
+                return test
+            if parent is func:
+                break
+            child = parent
+        return None
+
+
+def _target_leaves(target: cst.CSTNode) -> list[cst.CSTNode]:
+    """Names and attributes an assignment target binds (`a`, `x.y`, both sides of `a, x.y = ...`)."""
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [leaf for e in target.elements for leaf in _target_leaves(e.value)]
+    if isinstance(target, cst.StarredElement):
+        return _target_leaves(target.value)
+    return [target] if isinstance(target, (cst.Name, cst.Attribute)) else []

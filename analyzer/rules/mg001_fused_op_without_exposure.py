@@ -17,6 +17,9 @@ import libcst as cst
 
 from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.facts import ACCUMULATE_FLAG as FLAG
+from maingrad.analyzer.facts import FORWARD_CHECKING_OPS
+from maingrad.analyzer.facts import TE_SEQUENTIAL as SEQUENTIAL
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.rules._common import (
     all_nodes,
@@ -38,10 +41,6 @@ from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
 from maingrad.contracts.report import Severity
 
-# Ops whose fused forward requires `main_grad` when built with accumulate_into_main_grad=True.
-FORWARD_CHECKING_OPS = ("transformer_engine.pytorch.ops.GroupedLinear",)
-SEQUENTIAL = "transformer_engine.pytorch.ops.Sequential"
-FLAG = "accumulate_into_main_grad"
 METHOD = "_expose_main_grad_for_fused_ops"
 # Entry points that run without being referenced inside the class.
 ENTRY_POINTS = frozenset({"forward", "__call__"})

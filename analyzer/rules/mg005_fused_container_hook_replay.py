@@ -26,19 +26,17 @@ import libcst as cst
 
 from maingrad.analyzer import syntax_index, walk
 from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.facts import CONTAINER_NAMES, CONTAINERS, HOOKABLE_CONTAINER, PRE_HOOKS_ATTR
+from maingrad.analyzer.facts import PRE_HOOKS_ATTR as _REPLAY_TEXT
 from maingrad.analyzer.names import dotted_name, names_match, package_of, resolve_relative
+from maingrad.analyzer.rules._common import first_param as _first_param
+from maingrad.analyzer.rules._common import local_bindings
 from maingrad.analyzer.rules.base import Example, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex, pos
 from maingrad.contracts.report import Severity
 
-_CONTAINERS = (
-    "transformer_engine.pytorch.ops.Sequential",
-    "transformer_engine.pytorch.ops.fuser.OperationFuser",
-)
-_HOOKABLE = "transformer_engine.pytorch.ops.Sequential"  # OperationFuser is not a Module: no hooks
 _MEMBER_METHODS = {"append": 0, "insert": 1, "add_module": 1, "extend": 0}
 _PARAM_LIKE = re.compile(r"(weight|bias)", re.IGNORECASE)
-_REPLAY_TEXT = "_forward_pre_hooks"
 # Callees that receive a container without being able to register hooks on it.
 _INNOCUOUS = frozenset(
     {"len", "isinstance", "id", "type", "print", "repr", "str", "tuple", "list", "iter", "hasattr", "getattr"}
@@ -70,6 +68,29 @@ def _strip_subscripts(node: cst.BaseExpression) -> cst.BaseExpression:
     return node
 
 
+def _packs(expr: cst.BaseExpression, name: str) -> int | None:
+    """-1 when `expr` is the Name `name`, its position when it is an element of a tuple/list display
+    (`(name,)`, `(a, name)`), else None."""
+    if isinstance(expr, cst.Name):
+        return -1 if expr.value == name else None
+    if isinstance(expr, (cst.Tuple, cst.List)):
+        for position, element in enumerate(expr.elements):
+            if isinstance(element.value, cst.Name) and element.value.value == name:
+                return position
+    return None
+
+
+def _covers(coverage: set[tuple[str, bool]], owner: str) -> bool:
+    for chain, recursive in coverage:
+        if chain == "*" or owner == chain:
+            return True
+        if recursive and owner.startswith(chain + "."):
+            return True
+        if chain.endswith(".*") and owner.rpartition(".")[0] == chain[:-2]:
+            return True
+    return False
+
+
 def _string_text(node: cst.BaseExpression) -> str | None:
     """Literal text of a string or the literal parts of an f-string."""
     if isinstance(node, cst.SimpleString):
@@ -91,11 +112,6 @@ def _held(expr: cst.BaseExpression, containers: dict) -> list[str]:
     if isinstance(expr, (cst.Tuple, cst.List)):
         return [n for e in expr.elements for n in _held(e.value, containers)]
     return []
-
-
-def _first_param(func: cst.FunctionDef) -> str | None:
-    params = [*func.params.posonly_params, *func.params.params]
-    return params[0].name.value if params else None
 
 
 def _param_names(func: cst.FunctionDef) -> list[str]:
@@ -256,6 +272,8 @@ class _Analysis:
         self.ctx = ctx
         self.index = _FileIndex.build(ctx)
         self._foreign_cache: dict[cst.FunctionDef, set[str]] = {}
+        # (function, (op name, binding version)) -> the statements adopting a foreign parameter into it
+        self.adoptions: dict[tuple[int, tuple[str, int]], list[cst.CSTNode]] = {}
 
     # Foreign parameters ----------------------------------------------------------------------------------
     def _self_name(self, func: cst.FunctionDef) -> str | None:
@@ -487,15 +505,264 @@ class _Analysis:
                 return True
         return False
 
+    # Sibling replays: coverage and order ------------------------------------------------------------------
+    def adopted_owners(self, func: cst.FunctionDef, box: _Container) -> set[str] | None:
+        """Attribute chains (with `self` for the method's own first parameter) of the modules whose
+        parameters the container's ops adopt in `func`; None when one of them cannot be told."""
+        bindings = local_bindings(func)
+        owners: set[str] = set()
+        for member in box.members:
+            for node in self.adoptions.get((id(func), member), []):
+                value = self._adopted_value(node)
+                chains = self._owner_chains(value, bindings, func, 0) if value is not None else None
+                if chains is None:
+                    return None
+                owners |= chains
+        return owners
+
+    @staticmethod
+    def _adopted_value(node: cst.CSTNode) -> cst.BaseExpression | None:
+        if isinstance(node, (cst.Assign, cst.AnnAssign)):
+            return node.value
+        if isinstance(node, cst.Call):
+            args = [a for a in node.args if not a.star]
+            if dotted_name(node.func) == "setattr" and len(args) >= 3:
+                return args[2].value
+            if len(args) >= 2:
+                return args[1].value
+        return None
+
+    def _owner_chains(
+        self, value: cst.BaseExpression, bindings: dict, func: cst.FunctionDef, depth: int
+    ) -> set[str] | None:
+        if depth > _MAX_DEPTH:
+            return None
+        if isinstance(value, cst.IfExp):
+            left = self._owner_chains(value.body, bindings, func, depth + 1)
+            right = self._owner_chains(value.orelse, bindings, func, depth + 1)
+            return None if left is None or right is None else left | right
+        if isinstance(value, cst.Name):
+            if value.value == "None":
+                return set()
+            values = bindings.get(value.value)
+            if not values:
+                return None
+            found: set[str] = set()
+            for bound in values:
+                chains = self._owner_chains(bound, bindings, func, depth + 1)
+                if chains is None:
+                    return None
+                found |= chains
+            return found
+        owner: cst.BaseExpression | None = None
+        if isinstance(value, cst.Call):
+            if isinstance(value.func, cst.Attribute) and value.func.attr.value == "get_parameter":
+                owner = value.func.value
+            elif dotted_name(value.func) == "getattr" and value.args:
+                owner = value.args[0].value
+        elif isinstance(value, cst.Attribute):
+            owner = value.value
+        chain = dotted_name(owner) if owner is not None else None
+        if chain is None:
+            return None
+        return {self._normalise(chain, func)}
+
+    def _normalise(self, chain: str, func: cst.FunctionDef) -> str:
+        """`self.x` whatever the method calls its first parameter."""
+        me = self._self_name(func)
+        head, _, rest = chain.partition(".")
+        return ("self" + ("." + rest if rest else "")) if me is not None and head == me else chain
+
+    def hook_coverage(self, hook: cst.BaseExpression, where: cst.FunctionDef) -> set[tuple[str, bool]]:
+        """(chain, recursive) pairs of the modules whose hooks a registered replay runs; ("*", True) when
+        that cannot be told (counts as covering everything: precision first)."""
+        functions: list[cst.FunctionDef] = []
+        if isinstance(hook, (cst.Name, cst.Attribute)):
+            functions, _ = self.index.resolve(hook, where)
+        elif isinstance(hook, cst.Call):
+            callees, _ = self.index.resolve(hook.func, where)
+            functions = [f for c in callees for f in _walk_all(c) if isinstance(f, cst.FunctionDef)]
+        if not functions:
+            return {("*", True)}
+        covered: set[tuple[str, bool]] = set()
+        for function in functions:
+            scopes = [function]
+            outer = self.index.enclosing.get(function)
+            while outer is not None:  # a closure over hooks its builder collected
+                scopes.append(outer)
+                outer = self.index.enclosing.get(outer)
+            for scope in scopes:
+                for node in _walk_all(scope.body):
+                    if isinstance(node, cst.For) and _mentions_hooks(node.body):
+                        covered |= self._iterated(node.iter, scope)
+                    elif (
+                        isinstance(node, cst.Attribute)
+                        and node.attr.value == PRE_HOOKS_ATTR
+                        and dotted_name(node.value) is not None
+                        and dotted_name(node.value) != "self"
+                    ):
+                        chain = dotted_name(node.value) or ""
+                        covered.add((self._normalise(chain, scope), False))
+        return covered or {("*", True)}
+
+    def _iterated(self, expr: cst.BaseExpression, scope: cst.FunctionDef) -> set[tuple[str, bool]]:
+        if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+            method = expr.func.attr.value
+            chain = dotted_name(expr.func.value)
+            if method in ("modules", "named_modules") and chain is not None:
+                return {(self._normalise(chain, scope), True)}
+            if method in ("children", "named_children") and chain is not None:
+                return {(self._normalise(chain, scope) + ".*", False)}
+            if method in ("values", "items"):
+                return set()  # the inner loop over one module's hooks: the outer loop says which modules
+        if isinstance(expr, (cst.Tuple, cst.List)):
+            chains = [dotted_name(e.value) for e in expr.elements]
+            if all(chains):
+                return {(self._normalise(c or "", scope), False) for c in chains}
+        return {("*", True)}  # a local list, an argument: which modules it holds is not followed
+
+    def handles(self, func: cst.FunctionDef, name: str, depth: int = 0) -> set[str]:
+        """Texts that denote the container bound to `name` in `func` where it is run: the name itself,
+        attribute chains it is stored in, and names and chains its callers keep it under (through
+        returned tuples and their unpacking)."""
+        out = {name}
+        if depth > _MAX_DEPTH:
+            return out
+        returned: list[int | None] = []
+        for node in _walk(func.body):
+            if isinstance(node, cst.Assign) and _packs(node.value, name) is not None:
+                for target in node.targets:
+                    chain = dotted_name(_strip_subscripts(target.target))
+                    if chain is not None and not isinstance(target.target, cst.Name):
+                        out.add(self._normalise(chain, func))
+            if isinstance(node, cst.Return) and node.value is not None:
+                position = _packs(node.value, name)
+                if position is not None:
+                    returned.append(None if position == -1 else position)
+        for position in returned:
+            for call, caller in self._callers(func):
+                for node in _walk(caller.body):
+                    if not isinstance(node, cst.Assign) or not any(n is call for n in _walk(node.value)):
+                        continue
+                    wrapped = node.value is not call  # `(self._make(),)`
+                    for target in node.targets:
+                        inner = target.target
+                        if isinstance(inner, (cst.Tuple, cst.List)):
+                            if position is not None and position < len(inner.elements):
+                                element = inner.elements[position].value
+                                if isinstance(element, cst.Name):
+                                    out |= self.handles(caller, element.value, depth + 1)
+                        elif isinstance(inner, cst.Name) and position is None and not wrapped:
+                            out |= self.handles(caller, inner.value, depth + 1)
+                        else:
+                            chain = dotted_name(_strip_subscripts(inner))
+                            if chain is None:
+                                continue
+                            chain = self._normalise(chain, caller)
+                            if position is None:
+                                out.add(chain)  # the container, or a 1-tuple run as `chain[0](...)`
+                            else:
+                                out |= self._unpacked(chain, position)  # one of several: its own name
+        return out
+
+    def _unpacked(self, chain: str, position: int) -> set[str]:
+        """Names bound by `a, b = <chain>` anywhere in the file, at `position`."""
+        found: set[str] = set()
+        for function in self.index.owner:
+            for node in _walk(function.body):
+                if not isinstance(node, cst.Assign) or dotted_name(node.value) is None:
+                    continue
+                if self._normalise(dotted_name(node.value) or "", function) != chain:
+                    continue
+                for target in node.targets:
+                    inner = target.target
+                    if isinstance(inner, (cst.Tuple, cst.List)) and position < len(inner.elements):
+                        element = inner.elements[position].value
+                        if isinstance(element, cst.Name):
+                            found.add(element.value)
+        return found
+
+    def runs(self, klass: cst.ClassDef, handles: set[str]) -> dict[cst.FunctionDef, list[int]]:
+        """Where the class calls a container it holds under one of `handles`: function -> positions."""
+        found: dict[cst.FunctionDef, list[int]] = {}
+        for function in self.index.class_functions(klass):
+            for node in _walk(function.body):
+                if not isinstance(node, cst.Call):
+                    continue
+                chain = dotted_name(_strip_subscripts(node.func))
+                if chain is not None and self._normalise(chain, function) in handles:
+                    found.setdefault(function, []).append(self.ctx.index(node))
+        return found
+
+    def sibling_verdict(self, box: _Container, func: cst.FunctionDef) -> tuple[str, str, str] | None:
+        """("covered", ...) when another container of the class registers a replay covering the modules
+        whose parameters `box` adopts and runs before `box` wherever `box` runs; ("late", sibling, owner)
+        when such a replay runs only after `box`; None otherwise."""
+        klass, _ = self.index.method_class(func)
+        if klass is None:
+            return None
+        owners = self.adopted_owners(func, box)
+        if not owners:
+            return None
+        mine = self.handles(func, box.name) | set(box.stores)
+        my_runs = self.runs(klass, mine)
+        if not my_runs:
+            return None
+        late: tuple[str, str, str] | None = None
+        for registrar in self.index.class_functions(klass):
+            for node in _walk_all(registrar.body):
+                if not (
+                    isinstance(node, cst.Call)
+                    and isinstance(node.func, cst.Attribute)
+                    and node.func.attr.value == "register_forward_pre_hook"
+                    and node.args
+                ):
+                    continue
+                receiver = _strip_subscripts(node.func.value)
+                chain = dotted_name(receiver)
+                if chain is None or not self.hook_replays(node.args[0].value, registrar):
+                    continue
+                coverage = self.hook_coverage(node.args[0].value, registrar)
+                if not all(_covers(coverage, owner) for owner in owners):
+                    continue
+                theirs = self._registration_handles(registrar, chain)
+                if theirs & mine:
+                    continue  # the container itself
+                their_runs = self.runs(klass, theirs)
+                shared = [f for f in my_runs if f in their_runs]
+                if not shared:
+                    continue
+                if all(min(their_runs[f]) < min(my_runs[f]) for f in shared):
+                    return ("covered", chain, sorted(owners)[0])
+                late = ("late", chain, sorted(owners)[0])
+        return late
+
+    def _registration_handles(self, registrar: cst.FunctionDef, chain: str) -> set[str]:
+        """Handles of the container a hook is registered on: a local of `registrar`, or a parameter it
+        receives from same-class callers."""
+        if "." in chain:
+            return {self._normalise(chain, registrar)}
+        params = _param_names(registrar)
+        if chain not in params:
+            return self.handles(registrar, chain)
+        out = {chain}
+        offset = 1 if self.index.owner.get(registrar) is not None and not _is_staticmethod(registrar) else 0
+        position = params.index(chain) - offset
+        for call, caller in self._callers(registrar):
+            args = [a for a in call.args if not a.star and a.keyword is None]
+            if 0 <= position < len(args) and isinstance(args[position].value, cst.Name):
+                out |= self.handles(caller, args[position].value.value)
+        return out
+
     # Containers ------------------------------------------------------------------------------------------
     def container_kind(self, value: cst.BaseExpression) -> str | None:
         if isinstance(value, cst.Call):
             name = self.ctx.names.qualified_name(value.func)
-            if name is not None and self.ctx.names.matches(value.func, *_CONTAINERS):
-                return "hookable" if self.ctx.names.matches(value.func, _HOOKABLE) else "fuser"
+            if name is not None and self.ctx.names.matches(value.func, *CONTAINERS):
+                return "hookable" if self.ctx.names.matches(value.func, HOOKABLE_CONTAINER) else "fuser"
         return None
 
-    def scan(self, func: cst.FunctionDef) -> list[_Container]:
+    def scan(self, func: cst.FunctionDef) -> list[_Container]:  # noqa: C901 - one source-order pass
         """Containers built in `func` that hold ops adopting foreign parameters and lack a replay hook."""
         ids: dict[str, int] = {}
         counter = 0
@@ -543,6 +810,7 @@ class _Analysis:
             owner = self.adoption_target(node, func)
             if owner is not None:
                 adopted.add(current(owner))
+                self.adoptions.setdefault((id(func), current(owner)), []).append(node)
             if isinstance(node, cst.Call):
                 self._record_call(node, func, containers, current, adopted)
             if isinstance(node, cst.Return) and node.value is not None:
@@ -794,11 +1062,23 @@ def _make_fused_ops(self):
     ops.register_forward_pre_hook(replay)
     return ops
 ```
+A replay registered on a sibling container of the same class covers this one when it runs the hooks of
+the modules whose parameters this one adopts (`self.modules()` covers every submodule) and the class's
+`forward` runs that sibling first (megatron-bridge's `TEFusedLoRALinear`: `main_branch` replays before
+`lora_branch` runs); when the sibling runs only after it (megatron-core's `TEFusedMLPWithGroupedLinear`:
+`norm_seq` reads `linear_fc1.layer_norm_weight` before `fused_impl`'s replay gathers it), the finding says
+the replay comes too late. A replay that snapshots the hooks at build time is MG011's finding.
 No automatic fix: which hooks may be replayed (hooks that read or rewrite the input cannot) is a design
 decision. For precision, whatever the analyzer cannot follow counts as a replay: hooks and helpers imported
 from other files, containers handed to such helpers or returned to callers outside the file, and files that
 install global `register_module_forward_pre_hook`s. Containers assigned straight to a module attribute are
 registered submodules, which the wrappers hook themselves.
+
+## In real code
+megatron-core 0.18.2, 0.19.2 and Megatron-LM main `TEFusedMLPWithGroupedLinear._make_fused_impl`: `norm_seq`
+runs `linear_fc1.layer_norm_weight` before `fused_impl`, whose hook replays `linear_fc1`'s hooks (Megatron DDP's
+param all-gather wait under `overlap_param_gather`), so the norm may read a weight whose all-gather has not
+finished. megatron-bridge's `lora_branch` is covered by `main_branch`'s replay and not reported.
 """
 
     VALID = [
@@ -957,6 +1237,47 @@ registered submodules, which the wrappers hook themselves.
                         hook(self.fc, ())
             """
         ),
+        # megatron-bridge TEFusedLoRALinear: the LoRA branch adopts the adapter's weights, and the main
+        # branch, which runs first in forward, replays the hooks of every module in `self`.
+        Example(
+            """\
+            import transformer_engine as te
+
+            class FusedLoRA:
+                def _make_branches(self):
+                    main_branch = self._make_main()
+                    lora_branch = self._make_lora()
+
+                    def replay(module, *_):
+                        for submodule in self.modules():
+                            for hook in submodule._forward_pre_hooks.values():
+                                hook(submodule, None)
+
+                    main_branch.register_forward_pre_hook(replay)
+                    return main_branch, lora_branch
+
+                def _make_main(self):
+                    seq = te.ops.Sequential()
+                    op = te.ops.Linear(4, 4, device="meta")
+                    op.weight = self.to_wrap.weight
+                    seq.append(op)
+                    return seq
+
+                def _make_lora(self):
+                    lora_branch = te.ops.Sequential()
+                    op = te.ops.Linear(4, 2, device="meta")
+                    op.weight = self.adapter.linear_in.weight
+                    lora_branch.append(op)
+                    return lora_branch
+
+                def forward(self, x):
+                    if self._branches is None:
+                        self._branches = self._make_branches()
+                    main_branch, lora_branch = self._branches
+                    y, x2 = main_branch(x)
+                    return lora_branch(x2, y)
+            """
+        ),
         # A plain torch.nn.Sequential is not an op fuser.
         Example(
             """\
@@ -1014,6 +1335,42 @@ registered submodules, which the wrappers hook themselves.
             """,
             line=9,
         ),
+        # megatron-core TEFusedMLPWithGroupedLinear: the norm runs in its own container before the one whose
+        # hook replays linear_fc1's hooks, so it reads linear_fc1.layer_norm_weight before the gather.
+        Example(
+            """\
+            import transformer_engine as te
+
+            class FusedMLP:
+                def _make_fused_impl(self):
+                    op = te.pytorch.ops.RMSNorm(8, device="meta")
+                    op.weight = self.linear_fc1.layer_norm_weight
+                    norm_seq = te.pytorch.ops.Sequential()
+                    norm_seq.append(op)
+                    self._norm_seq = (norm_seq,)
+                    fused_impl = te.pytorch.ops.Sequential()
+                    fc1 = te.pytorch.ops.BasicLinear(8, 8, device="meta")
+                    fc1.weight = self.linear_fc1.weight
+                    fused_impl.append(fc1)
+                    self._register_hooks(fused_impl)
+                    return fused_impl
+
+                def _register_hooks(self, fused_impl):
+                    def forward_pre_hook(module, *_):
+                        for submodule in self.modules():
+                            for hook in submodule._forward_pre_hooks.values():
+                                hook(submodule, ())
+
+                    fused_impl.register_forward_pre_hook(forward_pre_hook)
+
+                def forward(self, x):
+                    if self._fused_impl is None:
+                        self._fused_impl = (self._make_fused_impl(),)
+                    normed = self._norm_seq[0](x)
+                    return self._fused_impl[0](normed)
+            """,
+            line=7,
+        ),
         # A hook is registered, but it only exposes main_grad: it replays nothing.
         Example(
             """\
@@ -1059,7 +1416,7 @@ registered submodules, which the wrappers hook themselves.
 
     def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
         """Over-approximates `check`: a finding is a call inside a function whose callee `ctx.names` resolves
-        to one of `_CONTAINERS`. `NameResolver` is mirrored on `ast` with every binding kept (it keeps the
+        to one of `CONTAINERS`. `NameResolver` is mirrored on `ast` with every binding kept (it keeps the
         last one), so `_possible_names` is a superset of what it resolves. A callee written as a plain
         name is taken as a candidate without the inside-a-function test. The global-hook early return is
         mirrored exactly; adoption and replay only remove findings."""
@@ -1072,10 +1429,10 @@ registered submodules, which the wrappers hook themselves.
             in_function = isinstance(call.func, ast.Name) or any(
                 s.kind == "def" for s in index.enclosing(pos(call))
             )
-            if in_function and any(names_match(q, *_CONTAINERS) for q in _possible_names(call.func, aliases)):
+            if in_function and any(names_match(q, *CONTAINERS) for q in _possible_names(call.func, aliases)):
                 return True
         for name in index.called_names:
-            if any(names_match(q, *_CONTAINERS) for q in aliases.get(name, ())):
+            if any(names_match(q, *CONTAINERS) for q in aliases.get(name, ())):
                 return True
         return False
 
@@ -1089,7 +1446,7 @@ registered submodules, which the wrappers hook themselves.
             if not isinstance(call.func, (cst.Name, cst.Attribute)):
                 continue
             last = call.func.value if isinstance(call.func, cst.Name) else call.func.attr.value
-            if last not in ("Sequential", "OperationFuser") and last not in ctx.names.aliases:
+            if last not in CONTAINER_NAMES and last not in ctx.names.aliases:
                 continue
             analysis = analysis or _Analysis(ctx)
             if analysis.container_kind(call) is None:
@@ -1100,6 +1457,22 @@ registered submodules, which the wrappers hook themselves.
             done.add(node)
             for box in analysis.scan(node):
                 kind = "op-fuser Sequential" if box.hookable else "OperationFuser"
+                verdict = analysis.sibling_verdict(box, node)
+                if verdict is not None and verdict[0] == "covered":
+                    continue  # a sibling container replays those modules' hooks before this one runs
+                if verdict is not None:
+                    _, sibling, owner = verdict
+                    yield Violation(
+                        node=box.call,
+                        context_node=box.statement,
+                        message=(
+                            f"TE {kind} `{box.name}` runs ops that adopt parameters of `{owner}`, whose pre-forward "
+                            f"hooks are replayed only by the hook on `{sibling}`, which runs after `{box.name}` "
+                            "already read them: the fused op may read sharded or not-yet-gathered weights; replay "
+                            f"those hooks before `{box.name}` runs (register the replay on it too, or run it first)."
+                        ),
+                    )
+                    continue
                 remedy = (
                     "register a pre-forward hook on it that calls each source module's `_forward_pre_hooks` "
                     "(as megatron-core's TEGroupedMLP._make_fused_impl_pre_forward_hook does)"

@@ -25,11 +25,14 @@ from collections.abc import Iterator
 import libcst as cst
 
 from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.facts import OVERWRITE_FLAG as FLAG
+from maingrad.analyzer.facts import WRAPPER_CLASS, is_test_path, is_wrapper_path
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.rules._common import (
     all_nodes,
     code_of,
     enclosing_function,
+    in_wrapper,
     is_before,
     local_bindings,
     own_nodes,
@@ -40,13 +43,6 @@ from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex, pos
 from maingrad.contracts.report import Severity
 
-FLAG = "overwrite_main_grad"
-_WRAPPER_PATH = re.compile(
-    r"(^|/)megatron/core/distributed/|(^|/)[^/]*fsdp[^/]*(/|$)|(^|/)[^/]*(data_parallel|ddp)[^/]*\.py$",
-    re.IGNORECASE,
-)
-_WRAPPER_CLASS = re.compile(r"fsdp|fullyshard|dataparallel|ddp|gradbuffer", re.IGNORECASE)
-_TEST_PATH = re.compile(r"(^|/)(tests?/|test_[^/]*\.py$|[^/]*_test\.py$|conftest\.py$)")
 _STRATEGY = re.compile(r"strateg", re.IGNORECASE)
 # Calls that may appear in a loop header or guard we delete together with the assignment.
 _PURE_CALLS = frozenset(
@@ -70,15 +66,6 @@ _PURE_CALLS = frozenset(
         "items",
     }
 )
-
-
-def in_wrapper(ctx: FileContext, node: cst.CSTNode) -> bool:
-    """Is `node` in the data-parallel wrapper's own code (by path or by enclosing class name)?"""
-    if _WRAPPER_PATH.search(ctx.path.replace("\\", "/")):
-        return True
-    return any(
-        isinstance(a, cst.ClassDef) and _WRAPPER_CLASS.search(a.name.value) for a in ctx.ancestors(node)
-    )
 
 
 def _is_truthy_constant(node: cst.BaseExpression, bindings: dict[str, list[cst.BaseExpression]]) -> bool:
@@ -168,6 +155,11 @@ for param in linear.parameters(recurse=False):
 or derive it from the strategy (`param.overwrite_main_grad = strategy in ("optim_grads",
 "optim_grads_params")`). The (unsafe) fix deletes the assignment, together with a guard or loop that would
 be left empty.
+
+## In real code
+megatron-core 0.19.2 (and Megatron-LM main) `TEGroupedMLP._ensure_main_grad` sets `overwrite_main_grad = True`
+on every expert weight before the fused forward; measured on an H200, with two micro-batches and unsharded
+gradients the expert gradients are 0.71 (relative) away from autograd's own accumulation.
 """
 
     VALID = [
@@ -302,16 +294,15 @@ be left empty.
         v` (plain or annotated) or `setattr(X, "overwrite_main_grad", v)` with `v` `True`, a non-zero int or
         any name (it may be bound to one), outside every class named like a wrapper. The strategy guard is
         not looked at: it only removes findings."""
-        path = index.path.replace("\\", "/")
-        if _TEST_PATH.search(path) or _WRAPPER_PATH.search(path):
+        if is_test_path(index.path) or is_wrapper_path(index.path):
             return False
         return any(
-            not any(s.kind == "class" and _WRAPPER_CLASS.search(s.name) for s in index.enclosing(pos(node)))
+            not any(s.kind == "class" and WRAPPER_CLASS.search(s.name) for s in index.enclosing(pos(node)))
             for node in index.overwrite_sets
         )
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
-        if _TEST_PATH.search(ctx.path.replace("\\", "/")):
+        if is_test_path(ctx.path):
             return
         flagged: list[tuple[cst.SimpleStatementLine, cst.BaseSmallStatement]] = []
         for line in all_nodes(ctx.module, cst.SimpleStatementLine):

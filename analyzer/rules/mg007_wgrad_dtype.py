@@ -1,7 +1,7 @@
 """MG007: a weight gradient written into `main_grad` with a dtype not taken from `main_grad.dtype`.
 
-Also home of the "what is a main_grad buffer" helpers that MG008 shares (`MainGradScope`), so both rules
-recognise the same writes: `W.main_grad`, `W.get_main_grad()`, TE's `get_main_grad_from_param(W)`, views and
+What a main_grad buffer is comes from `rules._common.MainGradScope` (shared with MG008, so both rules
+recognise the same writes): `W.main_grad`, `W.get_main_grad()`, TE's `get_main_grad_from_param(W)`, views and
 subscripts of those, ternaries with such a branch, lists of them, local names bound to any of these, and
 names that say they hold one (`main_grad`, `fc1_weight_main_grad`, `main_grads`).
 
@@ -24,173 +24,45 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import libcst as cst
 
 from maingrad.analyzer import syntax_index
 from maingrad.analyzer.context import FileContext, RuleSettings
+from maingrad.analyzer.facts import (
+    CAST_METHODS,
+    DTYPES,
+    FP32_DTYPES,
+    KERNEL_PRECISION,
+    LOW_DTYPES,
+    MATMULS,
+)
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.rules._common import (
-    all_nodes,
+    MainGradScope,
     code_of,
+    function_of,
+    is_before,
     is_simple_chain,
     keyword,
+    out_pairs,
     own_nodes,
     positional,
     string_value,
 )
 from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
-from maingrad.analyzer.syntax_index import Spine, SyntaxIndex
+from maingrad.analyzer.syntax_index import SyntaxIndex, gate_aliases, spine_is_main_grad
 from maingrad.contracts.report import Severity
 
-_BOOL_PREFIX = re.compile(r"^_*(accumulate|overwrite|use|is|has|fuse|grad_added|zero|skip|with|need|should)")
-_MAIN_GRAD_NAME = re.compile(r"main_grads?$")
-_VIEW_METHODS = frozenset(
-    {"view", "view_as", "reshape", "detach", "t", "transpose", "flatten", "narrow", "chunk"}
-)
-_MATMULS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm"})
-_KERNELS = {"wgrad_gemm_accum_fp32": "fp32", "wgrad_gemm_accum_fp16": "fp16"}
-_LOW = frozenset(
-    {"float16", "half", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
-)
-_FP32 = frozenset({"float32", "float"})
-_DTYPES = _LOW | _FP32 | {"float64", "double"}
 _ACTIVATION_DTYPE = re.compile(r"(activation|act|param|params|input|inp|compute|autocast|amp|weight)_?dtype$")
 _GUARD_TEXT = ("grad_dtype", "grads_in_fp32")
-
-
-def _is_main_grad_name(name: str) -> bool:
-    return bool(_MAIN_GRAD_NAME.search(name)) and not _BOOL_PREFIX.match(name)
-
-
-@dataclass
-class MainGradScope:
-    """Which expressions of one function (and the functions it is nested in) denote a main_grad buffer."""
-
-    ctx: FileContext
-    func: cst.FunctionDef | None
-    bindings: dict[str, list[cst.BaseExpression]] = field(default_factory=dict)
-    aliases: set[str] = field(default_factory=set)
-
-    @classmethod
-    def of(cls, ctx: FileContext, func: cst.FunctionDef | None) -> MainGradScope:
-        scope = cls(ctx, func)
-        chain = [func] if func is not None else []
-        chain += (
-            [a for a in ctx.ancestors(func) if isinstance(a, cst.FunctionDef)] if func is not None else []
-        )
-        for owner in reversed(chain):  # inner bindings win
-            for node in own_nodes(owner, cst.Assign, cst.AnnAssign):
-                targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
-                if node.value is None:
-                    continue
-                for target in targets:
-                    if isinstance(target, cst.Name):
-                        scope.bindings.setdefault(target.value, []).append(node.value)
-        for _ in range(4):
-            grew = False
-            for name, values in scope.bindings.items():
-                if name not in scope.aliases and any(scope.is_main_grad(v) for v in values):
-                    scope.aliases.add(name)
-                    grew = True
-            if not grew:
-                break
-        return scope
-
-    def is_main_grad(self, expr: cst.BaseExpression) -> bool:
-        """Does `expr` evaluate to a main_grad buffer (or a list/view of them)?"""
-        if isinstance(expr, cst.Attribute):
-            return expr.attr.value == "main_grad"
-        if isinstance(expr, cst.Name):
-            return expr.value in self.aliases or _is_main_grad_name(expr.value)
-        if isinstance(expr, cst.Subscript):
-            return self.is_main_grad(expr.value)
-        if isinstance(expr, cst.Call):
-            func = expr.func
-            name = func.attr.value if isinstance(func, cst.Attribute) else dotted_name(func) or ""
-            if "main_grad" in name.rsplit(".", 1)[-1] and not _BOOL_PREFIX.match(name.rsplit(".", 1)[-1]):
-                return True
-            return isinstance(func, cst.Attribute) and name in _VIEW_METHODS and self.is_main_grad(func.value)
-        if isinstance(expr, cst.IfExp):
-            return self.is_main_grad(expr.body) or self.is_main_grad(expr.orelse)
-        if isinstance(expr, (cst.List, cst.Tuple)):
-            return any(isinstance(e, cst.Element) and self.is_main_grad(e.value) for e in expr.elements)
-        if isinstance(expr, (cst.ListComp, cst.GeneratorExp)):
-            return self.is_main_grad(expr.elt)
-        return False
-
-    def mentions_main_grad(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
-        """Does `expr` read a main_grad buffer anywhere (`main_grad.dtype`, `dw.dtype` with `dw` an alias)?"""
-        if "main_grad" in code_of(expr):
-            return True
-        for name in all_nodes(expr, cst.Name):
-            if isinstance(name, cst.Name) and name.value in self.aliases:
-                return True
-            if (
-                depth < 3
-                and isinstance(name, cst.Name)
-                and any(self.mentions_main_grad(v, depth + 1) for v in self.bindings.get(name.value, []))
-            ):
-                return True
-        return False
-
-    def owner(self, expr: cst.BaseExpression) -> cst.BaseExpression | None:
-        """`W` for `W.main_grad` (through views, subscripts and local aliases bound once), else None."""
-        if isinstance(expr, cst.Attribute) and expr.attr.value == "main_grad":
-            return expr.value
-        if isinstance(expr, cst.Subscript):
-            return self.owner(expr.value)
-        if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
-            if expr.func.attr.value == "get_main_grad":
-                return expr.func.value
-            if expr.func.attr.value in _VIEW_METHODS:
-                return self.owner(expr.func.value)
-        if isinstance(expr, cst.Call) and (dotted_name(expr.func) or "").endswith("get_main_grad_from_param"):
-            args = positional(expr)
-            return args[0].value if args else None
-        if isinstance(expr, cst.Name):
-            values = self.bindings.get(expr.value, [])
-            owners = {code_of(o): o for v in values if (o := self.owner(v)) is not None}
-            if len(owners) == 1:
-                return next(iter(owners.values()))
-        return None
-
-
-# The syntax gate (shared with MG008) ----------------------------------------------------------------
-def spine_is_main_grad(spine: Spine, aliases: set[str]) -> bool:
-    """Over-approximates `MainGradScope.is_main_grad` on an expression: the spine holds exactly the nodes it
-    decides on (an `X.main_grad` attribute, a call's last name, a plain name), and `aliases` is a superset
-    of every scope's aliases."""
-    if spine.wild or spine.attr:
-        return True
-    if any("main_grad" in name and not _BOOL_PREFIX.match(name) for name in spine.calls):
-        return True
-    return any(name in aliases or _is_main_grad_name(name) for name in spine.names)
-
-
-def gate_aliases(index: SyntaxIndex) -> set[str]:
-    """Names that may hold a main_grad buffer: the fixpoint over every `name = <expr>` in the file. Each
-    scope's `MainGradScope.aliases` comes from a subset of these bindings in at most four rounds."""
-    cached = index.memo.get("mg007_aliases")
-    if cached is None:
-        cached = set()
-        grew = True
-        while grew:
-            grew = False
-            for name, spine in index.bindings:
-                if name not in cached and spine_is_main_grad(spine, cached):
-                    cached.add(name)
-                    grew = True
-        index.memo["mg007_aliases"] = cached
-    return cached
 
 
 def _ast_maybe_matmul(call: ast.Call) -> bool:
     """Whether `ctx.names.qualified_name(call.func)` may be `torch.<matmul>`: its last part is the callee's
     attribute, or anything for a plain name (an alias)."""
     return isinstance(call.func, ast.Name) or (
-        isinstance(call.func, ast.Attribute) and call.func.attr in _MATMULS
+        isinstance(call.func, ast.Attribute) and call.func.attr in MATMULS
     )
 
 
@@ -211,7 +83,7 @@ def _ast_kernel_cleared(index: SyntaxIndex, call: ast.Call) -> bool:
     if not tested:
         return False
     method = call.func.attr  # type: ignore[attr-defined]
-    wanted = _FP32 if _KERNELS[method] == "fp32" else _LOW
+    wanted = FP32_DTYPES if KERNEL_PRECISION[method] == "fp32" else LOW_DTYPES
     child: ast.AST = call
     for ancestor in index.ancestors(call):  # the innermost `if` holding the call in its body decides
         if isinstance(ancestor, ast.If) and any(s is child for s in ancestor.body):
@@ -252,47 +124,18 @@ def _ast_dtype_verdict(expr: ast.AST, wanted: frozenset[str]) -> str:
         return "bad"
     else:
         return "none"
-    if text not in _DTYPES:
+    if text not in DTYPES:
         return "none"
     return "ok" if text in wanted else "bad"
-
-
-def function_of(ctx: FileContext, node: cst.CSTNode) -> cst.FunctionDef | None:
-    for ancestor in ctx.ancestors(node):
-        if isinstance(ancestor, cst.FunctionDef):
-            return ancestor
-    return None
-
-
-def out_pairs(node: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression | None, cst.CSTNode] | None:
-    """(out, out_dtype, out_dtype holder) for a call with `out=` or a `{"out": ...}` kwargs literal."""
-    if isinstance(node, cst.Call):
-        out = keyword(node, "out")
-        if out is None:
-            return None
-        dtype = keyword(node, "out_dtype")
-        return out.value, dtype.value if dtype else None, dtype if dtype else node
-    if isinstance(node, cst.Dict):
-        found: dict[str, cst.DictElement] = {}
-        for element in node.elements:
-            if isinstance(element, cst.DictElement):
-                key = string_value(element.key)
-                if key in ("out", "out_dtype"):
-                    found[key] = element
-        if "out" not in found:
-            return None
-        dtype = found.get("out_dtype")
-        return found["out"].value, dtype.value if dtype else None, dtype if dtype else node
-    return None
 
 
 def torch_dtype_name(ctx: FileContext, expr: cst.BaseExpression) -> str | None:
     """`float16` for `torch.float16` (any import form) or the string `"float16"`, else None."""
     text = string_value(expr)
     if text is not None:
-        return text if text in _DTYPES else None
+        return text if text in DTYPES else None
     name = ctx.names.qualified_name(expr)
-    if name is not None and name.startswith("torch.") and name.rsplit(".", 1)[-1] in _DTYPES:
+    if name is not None and name.startswith("torch.") and name.rsplit(".", 1)[-1] in DTYPES:
         return name.rsplit(".", 1)[-1]
     return None
 
@@ -346,7 +189,7 @@ def _dtype_tests(
     if func is not None:
         for owner in own_nodes(func, cst.Assert, cst.If):
             test = owner.test  # type: ignore[attr-defined]
-            if owner not in tests and _before(ctx, owner, node):
+            if owner not in tests and is_before(ctx, owner, node):
                 tests.append(test)
     return [t for t in tests if _reads_buffer_dtype(t)]
 
@@ -354,12 +197,6 @@ def _dtype_tests(
 def _reads_buffer_dtype(test: cst.BaseExpression) -> bool:
     code = code_of(test)
     return ("main_grad" in code and "dtype" in code) or any(t in code for t in _GUARD_TEXT)
-
-
-def _before(ctx: FileContext, first: cst.CSTNode, second: cst.CSTNode) -> bool:
-    from maingrad.analyzer.rules._common import is_before
-
-    return is_before(ctx, first, second)
 
 
 def _kernel_contradiction(ctx: FileContext, call: cst.Call, kind: str) -> str | None:
@@ -386,7 +223,7 @@ def _kernel_contradiction(ctx: FileContext, call: cst.Call, kind: str) -> str | 
                     return None
                 if None in names:
                     return None
-                wanted = _FP32 if kind == "fp32" else _LOW
+                wanted = FP32_DTYPES if kind == "fp32" else LOW_DTYPES
                 wrong = [n for n in names if n not in wanted]
                 return wrong[0] if wrong else None
             return None
@@ -401,7 +238,7 @@ def _looks_like_cast(expr: cst.BaseExpression) -> bool:
     return (
         isinstance(expr, cst.Call)
         and isinstance(expr.func, cst.Attribute)
-        and expr.func.attr.value in ("to", "type", "half", "bfloat16")
+        and expr.func.attr.value in CAST_METHODS
     )
 
 
@@ -423,7 +260,7 @@ def _cast_target(
         return None
     name = torch_dtype_name(ctx, candidate)
     if name is not None:
-        return (code_of(candidate), expr) if name in _LOW else None
+        return (code_of(candidate), expr) if name in LOW_DTYPES else None
     if isinstance(candidate, cst.Attribute) and candidate.attr.value == "dtype":
         # `p.grad.to(p.dtype)`: a parameter's .grad already has the parameter's dtype (a no-op cast).
         source = expr.func.value  # type: ignore[attr-defined]
@@ -478,6 +315,11 @@ else:
 Fixes: `out_dtype` becomes `<out>.dtype` (safe); the kernel call is wrapped in that dtype dispatch, a
 `torch.matmul(..., out=buf)` statement becomes `buf.copy_(torch.matmul(...))`, and a downcast before
 `add_`/`copy_` is dropped (unsafe: they change control flow, memory or numerics).
+
+## In real code
+megatron-core 0.16.1, 0.18.2 and 0.19.2 `LinearWithGradAccumulationAndAsyncCommunication.backward`, Megatron-FSDP
+branch without TE: `torch.matmul(grad_output.t(), total_input, out=weight.main_grad)` with bf16 inputs and an
+fp32 buffer raises. Megatron-LM main replaced it (`_wgrad_gemm` computes in the inputs' dtype and copies).
 """
 
     VALID = [
@@ -685,7 +527,7 @@ Fixes: `out_dtype` becomes `<out>.dtype` (safe); the kernel call is wrapped in t
             assert isinstance(node, cst.Call)
             func = node.func
             method = func.attr.value if isinstance(func, cst.Attribute) else None
-            if method in _KERNELS or method in ("add_", "copy_"):
+            if method in KERNEL_PRECISION or method in ("add_", "copy_"):
                 yield from self._check_call(ctx, node, scope_of)
             elif any(a.keyword is not None and a.keyword.value == "out" for a in node.args):
                 yield from self._check_out(ctx, node, scope_of)
@@ -734,7 +576,7 @@ Fixes: `out_dtype` becomes `<out>.dtype` (safe); the kernel call is wrapped in t
                 )
         if isinstance(node, cst.Call):
             name = ctx.names.qualified_name(node.func) or ""
-            if name.startswith("torch.") and name.rsplit(".", 1)[-1] in _MATMULS:
+            if name.startswith("torch.") and name.rsplit(".", 1)[-1] in MATMULS:
                 yield from self._check_matmul(ctx, scope, node, out)
 
     def _check_matmul(
@@ -782,7 +624,7 @@ Fixes: `out_dtype` becomes `<out>.dtype` (safe); the kernel call is wrapped in t
         if not isinstance(func, cst.Attribute):
             return
         method = func.attr.value
-        if method in _KERNELS:
+        if method in KERNEL_PRECISION:
             args = positional(call)
             if len(args) < 3:
                 return
@@ -790,7 +632,7 @@ Fixes: `out_dtype` becomes `<out>.dtype` (safe); the kernel call is wrapped in t
             buffer = args[2].value
             if not scope.is_main_grad(buffer):
                 return
-            kind = _KERNELS[method]
+            kind = KERNEL_PRECISION[method]
             wrong = _kernel_contradiction(ctx, call, kind)
             if wrong is not None:
                 yield Violation(

@@ -20,30 +20,31 @@ parallel wrapper's own code is not judged.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import libcst as cst
 
 from maingrad.analyzer import walk
 from maingrad.analyzer.context import FileContext, RuleSettings
-from maingrad.analyzer.names import dotted_name
-from maingrad.analyzer.rules._common import code_of, is_simple_chain, keyword, positional, string_value
-from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
-from maingrad.analyzer.rules.mg006_forced_overwrite_main_grad import _WRAPPER_CLASS, _WRAPPER_PATH, in_wrapper
-from maingrad.analyzer.rules.mg007_wgrad_dtype import (
-    MainGradScope,
-    gate_aliases,
-    out_pairs,
-    spine_is_main_grad,
+from maingrad.analyzer.facts import (
+    BACKWARD_NAME,
+    FLAG_HELPERS,
+    WRAPPER_CLASS,
+    is_wrapper_path,
 )
-from maingrad.analyzer.syntax_index import SyntaxIndex, pos
+from maingrad.analyzer.facts import GRAD_ADDED_FLAG as FLAG
+from maingrad.analyzer.names import dotted_name
+from maingrad.analyzer.rules._common import (
+    MainGradScope,
+    code_of,
+    in_wrapper,
+    is_simple_chain,
+    string_value,
+    written_buffer,
+)
+from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
+from maingrad.analyzer.syntax_index import SyntaxIndex, gate_aliases, pos, spine_is_main_grad
 from maingrad.contracts.report import Severity
-
-FLAG = "grad_added_to_main_grad"
-_BACKWARD = re.compile(r"(^|_)backward(_|$)")
-_KERNELS = frozenset({"wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"})
-_FLAG_HELPERS = frozenset({"get_dummy_wgrads_for_params"})
 
 
 def _is_flag_target(node: cst.CSTNode) -> bool:
@@ -103,6 +104,11 @@ def backward(ctx, grad_output):
 ```
 The (unsafe) fix inserts the guarded assignment after the write; return a dummy gradient for the weight
 (TE's `get_dummy_wgrad`) rather than the real one, as megatron-core does.
+
+## In real code
+No real instance is known: it reported nothing on the 14 code bases of `docs/real-world.md` (megatron-core
+0.16.1/0.18.2/0.19.2, Transformer Engine 2.20.2, megatron-bridge, NeMo, ModelOpt, nanotron, DeepSpeed,
+ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards the contract against new code.
 """
 
     VALID = [
@@ -241,13 +247,13 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
 
     def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
         """Over-approximates `check`: the "backward" text test and the wrapper path are mirrored exactly;
-        then some candidate write of `_written_buffer` (kernel argument, add_/copy_ receiver, `out=`
+        then some candidate write of `_common.written_buffer` (kernel argument, add_/copy_ receiver, `out=`
         keyword or `{"out": ...}` value, `+=` target) that may be a main_grad buffer
         (`spine_is_main_grad`), inside a function named like a backward and outside every class named like
         a wrapper (line spans, exact for defs and classes). Flag awareness only removes findings."""
-        if "backward" not in index.source or _WRAPPER_PATH.search(index.path.replace("\\", "/")):
+        if "backward" not in index.source or is_wrapper_path(index.path):
             return False
-        backwards = [s for s in index.scopes if s.kind == "def" and _BACKWARD.search(s.name)]
+        backwards = [s for s in index.scopes if s.kind == "def" and BACKWARD_NAME.search(s.name)]
         if not backwards:
             return False
         aliases = gate_aliases(index)
@@ -257,7 +263,7 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
                 continue
             if not spine_is_main_grad(write.spine, aliases):
                 continue
-            if any(s.kind == "class" and _WRAPPER_CLASS.search(s.name) for s in index.enclosing(where)):
+            if any(s.kind == "class" and WRAPPER_CLASS.search(s.name) for s in index.enclosing(where)):
                 continue
             return True
         return False
@@ -269,7 +275,7 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
         reported: set[tuple[int, str]] = set()
         scopes: dict[cst.FunctionDef | None, MainGradScope] = {}
         for node in ctx.nodes(cst.Call, cst.Dict, cst.AugAssign):
-            target = self._written_buffer(node)
+            target = written_buffer(node)
             if target is None:
                 continue
             unit = self._backward_of(ctx, node)
@@ -304,33 +310,10 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
             )
 
     @staticmethod
-    def _written_buffer(node: cst.CSTNode) -> cst.BaseExpression | None:
-        """The expression a candidate write writes into (before deciding whether it is a main_grad)."""
-        if isinstance(node, cst.AugAssign):
-            return node.target if isinstance(node.operator, cst.AddAssign) else None
-        if isinstance(node, cst.Call):
-            func = node.func
-            method = func.attr.value if isinstance(func, cst.Attribute) else None
-            if method in _KERNELS:
-                args = positional(node)
-                return args[2].value if len(args) >= 3 else None
-            if method in ("add_", "copy_") and isinstance(func, cst.Attribute):
-                args = positional(node)
-                if args and not _reads_param_grad(args[0].value):
-                    return func.value
-                return None
-            if keyword(node, "out") is None:
-                return None
-        if isinstance(node, (cst.Call, cst.Dict)):
-            pair = out_pairs(node)
-            return pair[0] if pair is not None else None
-        return None
-
-    @staticmethod
     def _backward_of(ctx: FileContext, node: cst.CSTNode) -> cst.FunctionDef | None:
         """The innermost enclosing function named like a backward (the unit whose flag handling counts)."""
         for ancestor in ctx.ancestors(node):
-            if isinstance(ancestor, cst.FunctionDef) and _BACKWARD.search(ancestor.name.value):
+            if isinstance(ancestor, cst.FunctionDef) and BACKWARD_NAME.search(ancestor.name.value):
                 return ancestor
         return None
 
@@ -345,7 +328,7 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
         for node in walk.walk(unit):
             if isinstance(node, cst.Call):
                 name = (dotted_name(node.func) or "").rsplit(".", 1)[-1]
-                if name in _FLAG_HELPERS or name in setters or "grad_added" in name:
+                if name in FLAG_HELPERS or name in setters or "grad_added" in name:
                     return True
         return False
 
@@ -382,8 +365,3 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
             "set grad_added_to_main_grad after the fused write",
             safe=False,
         )
-
-
-def _reads_param_grad(expr: cst.BaseExpression) -> bool:
-    """`param.grad`, `to_local(param.grad)`, `param.grad.data`: the hook moving `.grad`, not a fused write."""
-    return any(isinstance(n, cst.Attribute) and n.attr.value == "grad" for n in walk.walk(expr))

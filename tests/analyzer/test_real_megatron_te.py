@@ -314,3 +314,112 @@ def test_testbeds_are_real_wheels() -> None:
     }
     assert counts["megatron-core-0.19.2"] >= 500 and counts["megatron-core-0.18.2"] >= 400
     assert len(list(Path(bed_root("transformer-engine-2.20.2")).rglob("*.py"))) >= 200
+
+
+# The rest of the family (MG005, MG009, MG010, MG011) on the released wheels --------------------------------
+_ALL: dict[str, dict[str, list[Finding]]] = {}
+
+
+def scan_all(bed: str, prefix: str) -> dict[str, list[Finding]]:
+    """Findings of every rule on the files of a bed under `prefix`, computed once per session."""
+    key = f"{bed}:{prefix}"
+    if key not in _ALL:
+        root = bed_root(bed)
+        rules = [rule() for rule in all_rules()]
+        results: dict[str, list[Finding]] = {}
+        for path in sorted((root / prefix).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            result = analyze_source(path.read_text(encoding="utf-8"), rel, rules)
+            if result.findings:
+                results[rel] = result.findings
+        _ALL[key] = results
+    return _ALL[key]
+
+
+LAYERS = "megatron/core/tensor_parallel/layers.py"
+
+
+def test_megatron_0192_fsdp_wgrad_writes_that_always_overwrite_are_flagged_at_the_write() -> None:
+    source = (bed_root("megatron-core-0.19.2") / LAYERS).read_text(encoding="utf-8")
+    scope = ("LinearWithGradAccumulationAndAsyncCommunication", "backward")
+    expected = sorted(
+        line
+        for where, callee, line in locate(source).calls
+        if where == scope and callee in ("te_general_gemm", "torch.matmul")
+    )
+    assert len(expected) == 2  # the Megatron-FSDP branch: TE's GEMM, and torch.matmul without TE
+    found = [
+        f
+        for f in scan_all("megatron-core-0.19.2", "megatron/core/tensor_parallel")[LAYERS]
+        if f.rule == "MG009"
+    ]
+    assert sorted(f.line for f in found) == expected
+    for finding in found:
+        assert "always overwrites" in finding.message and "overwrite_main_grad" in finding.message
+    gemm = next(f for f in found if "te_general_gemm" in f.message)
+    assert gemm.fix_available and "accumulate=" in gemm.message
+    rules = [rule() for rule in all_rules() if rule.id == "MG009"]
+    fixed = fix_source(source, LAYERS, rules, unsafe=True)
+    assert 'accumulate=not getattr(weight, "overwrite_main_grad", False)' in fixed
+    after = [f for f in analyze_source(fixed, LAYERS, rules).findings if f.rule == "MG009"]
+    assert [f.message.split("`")[1] for f in after] == ["torch.matmul(...)"]  # it cannot accumulate: no fix
+
+
+TE_OPS = "transformer_engine/pytorch/ops"
+TE_MG010 = {
+    f"{TE_OPS}/basic/basic_linear.py": ("BasicLinear", "op_backward"),
+    f"{TE_OPS}/fused/backward_linear_add.py": ("BackwardLinearAdd", "fuser_backward"),
+    f"{TE_OPS}/fused/backward_linear_scale.py": ("BackwardLinearScale", "fuser_backward"),
+    f"{TE_OPS}/fused/userbuffers_backward_linear.py": ("UserbuffersBackwardLinear", "fuser_backward"),
+}
+
+
+def test_transformer_engine_2202_dummy_wgrad_decided_by_the_overwrite_flag() -> None:
+    root = bed_root("transformer-engine-2.20.2")
+    findings = scan_all("transformer-engine-2.20.2", "transformer_engine/pytorch")
+    flagged = {path for path, fs in findings.items() if any(f.rule == "MG010" for f in fs)}
+    assert flagged == set(TE_MG010)
+    for path, scope in TE_MG010.items():
+        source = (root / path).read_text(encoding="utf-8")
+        (finding,) = [f for f in findings[path] if f.rule == "MG010"]
+        assert scope_of(source, finding.line)[-2:] == scope
+        assert "get_dummy_wgrads_for_params" in source.splitlines()[finding.line - 1]
+        assert "overwrite_main_grad" in finding.message and "main_grad" in finding.message
+    for clean in ("module/linear.py", "module/grouped_linear.py", "ops/basic/grouped_linear.py"):
+        rel = f"transformer_engine/pytorch/{clean}"
+        assert (root / rel).exists(), rel
+        assert [f for f in findings.get(rel, []) if f.rule in ("MG009", "MG010")] == [], rel
+    assert not [f for fs in findings.values() for f in fs if f.rule == "MG009"]
+
+
+BRIDGE_LORA = "megatron/bridge/peft/lora_layers.py"
+
+
+def test_megatron_bridge_snapshot_is_flagged_and_lora_branch_is_covered() -> None:
+    source = (bed_root("megatron-bridge-0.3.1") / BRIDGE_LORA).read_text(encoding="utf-8")
+    findings = scan_all("megatron-bridge-0.3.1", "megatron/bridge/peft")
+    ours = findings.get(BRIDGE_LORA, [])
+    assert [f.rule for f in ours] == ["MG011"]  # no MG005 on lora_branch: main_branch's replay runs first
+    (snapshot,) = ours
+    assert "_forward_pre_hooks" in source.splitlines()[snapshot.line - 1]
+    assert scope_of_line(source, snapshot.line)[-2:] == ("TEFusedLoRALinear", "_make_fused_branches")
+    assert "snapshot" in snapshot.message and "at each call" in snapshot.message
+
+
+def test_megatron_0192_norm_seq_replay_runs_too_late() -> None:
+    findings = scan_all("megatron-core-0.19.2", "megatron/core/extensions")
+    (norm,) = [f for fs in findings.values() for f in fs if f.rule == "MG005"]
+    assert "`norm_seq`" in norm.message and "runs after" in norm.message and "self.linear_fc1" in norm.message
+
+
+def scope_of_line(source: str, line: int) -> tuple[str, ...]:
+    """The class/function names around `line` (for statements that hold no call on that line)."""
+    module = MetadataWrapper(cst.parse_module(source))
+    positions = module.resolve(PositionProvider)
+    stack: list[str] = []
+    best: tuple[str, ...] = ()
+    for node, pos in positions.items():
+        if isinstance(node, (cst.ClassDef, cst.FunctionDef)) and pos.start.line <= line <= pos.end.line:
+            stack.append((pos.start.line, node.name.value))  # type: ignore[arg-type]
+    best = tuple(name for _, name in sorted(stack))  # type: ignore[misc]
+    return best

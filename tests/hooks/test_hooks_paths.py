@@ -8,6 +8,7 @@ import torch
 from emulators import STRATEGIES, MegatronFSDP, batches, fsdp_run, make_layer
 
 from maingrad.hooks import MainGradContractError, install, instrument
+from maingrad.hooks.records import CallEntry, FlaggedRow
 
 _VOLATILE = ("t_ns", "run")
 
@@ -392,15 +393,15 @@ def test_unchanged_small_site_calls_push_the_last_rows_again(monkeypatch: pytest
     assert len(nones) == 4 and {(r["param"], r["anomaly"]) for r in nones} == {("weight2", None)}
     overwrites = [r for r in records if r["anomaly"] == "overwrite_discards_microbatch"]
     assert overwrites and all(r["phase"] == "backward" and r["param"] == "weight0" for r in overwrites)
-    forwards = [e for e in entries if len(e) == 7 and e[5] == instrument.FORWARD]
-    backwards = [e for e in entries if len(e) == 7 and e[5] == instrument.BACKWARD]
+    forwards = [e for e in entries if type(e) is CallEntry and e.phase == instrument.FORWARD]
+    backwards = [e for e in entries if type(e) is CallEntry and e.phase == instrument.BACKWARD]
     assert len(forwards) == len(backwards) == 16
     # forward: the second call of each pair reuses the first's rows; a change never does
-    reused = [b[1] is a[1] for a, b in zip(forwards, forwards[1:], strict=False)]
+    reused = [b.rows is a.rows for a, b in zip(forwards, forwards[1:], strict=False)]
     assert reused[0::2] == [True] * 8
     assert not any(reused[1::2])  # every change shows in the forward's rows
     # backward rows holding an overwrite anomaly are never pushed again as the steady rows
     for entry in backwards:
-        flagged = [row for row in entry[1] if len(row) == 7]
+        flagged = [row for row in entry.rows if type(row) is FlaggedRow]
         if flagged:
             assert all(row[6] == "overwrite_discards_microbatch" for row in flagged)

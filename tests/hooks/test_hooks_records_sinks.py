@@ -15,7 +15,7 @@ from emulators import MegatronFSDP, batches, fsdp_run, make_layer
 from maingrad.cli.main import main as cli_main
 from maingrad.contracts.records import FIELDS, validate
 from maingrad.hooks import HttpSink, JsonlSink, MemorySink, expose_main_grad, install
-from maingrad.hooks.records import RecordRing, RunMeta, to_dict, to_dicts
+from maingrad.hooks.records import CallEntry, PlainRow, RecordRing, Row, RunMeta, to_dict, to_dicts
 
 
 def _train(**kwargs):
@@ -63,10 +63,10 @@ def test_commit_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     handle.remove()
 
 
-def _entry(rows: int, site: int = 0) -> tuple:
+def _entry(rows: int, site: int = 0) -> CallEntry:
     """A ring entry of `rows` rows (parameter missing), as a hook pushes it for one call."""
-    slots = [(i, False, None, None, None, False, 0, "param_missing") for i in range(rows)]
-    return (rows, slots, 123, 0, 0, 0, site)
+    slots = [PlainRow(i, False, None, None, None, False, 0, "param_missing") for i in range(rows)]
+    return CallEntry(rows, slots, 123, 0, 0, 0, site)
 
 
 def test_ring_buffer_is_bounded_and_counts_overflow() -> None:
@@ -127,7 +127,7 @@ def test_batch_conversion_equals_to_dict() -> None:
     rows = handle._rt.ring.snapshot()
     good = _train()
     rows_good = good._rt.ring.snapshot()
-    error_row = (
+    error_row = Row(
         99,
         5,
         0,

@@ -167,9 +167,8 @@ def test_force_true_in_the_emulator(strategy: str, microbatches: int) -> None:
 
 def test_flags_from_megatron_fsdp_0192_semantics_lose_microbatches_even_with_keep() -> None:
     """Megatron-FSDP 0.19.2's unshard sets overwrite_main_grad=True for `optim` (unsharded gradients) too; in
-    the emulator that alone discards earlier micro-batches, whatever our policy. DESIGN.md §1 reports the
-    H200 run of 0.19.2 matching for `optim` with 2 micro-batches, so the real stack differs from this
-    emulator somewhere: that is the GPU's question (tests/gpu/mcore_hooks.py prints the flags it saw)."""
+    the emulator that alone discards earlier micro-batches, whatever our policy, as the H200 showed for the
+    real 0.19.2 stack under `optim` with 2 micro-batches (docs/gpu-evidence.md §2)."""
     data = batches(1, 2)
     ref_grads, _ = reference_run(data)
     model = MegatronFSDP(make_layer(), "optim", semantics="0.19.2")
