@@ -469,14 +469,25 @@ def memory(url: str, workdir: Path) -> list[dict[str, Any]]:
 def bench_backend(name: str, url: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     if args.memory:
         return {"backend": name, "workers": 1, "memory": memory(url, workdir)}
-    server = Server(url, workdir, args=["--workers", str(args.workers)]).start()
+    env = (
+        {"MAINGRAD_MAX_CONCURRENT_REQUESTS": str(args.max_concurrent)}
+        if args.max_concurrent is not None
+        else {}
+    )
+    server = Server(url, workdir, args=["--workers", str(args.workers)], env_extra=env).start()
+    gate: list[dict[str, Any]] = []
+    ing: dict[str, Any] = {}
     try:
         base, head = seed(server)
-        gate = gate_latency(base, head, args.rates, args.duration)
-        ing = ingest(base, args.batches, args.senders)
-        crowd = concurrency(base, head, args.clients, args.duration) if args.clients else []
+        if "gate" in args.parts:
+            gate = gate_latency(base, head, args.rates, args.duration)
+        if "ingest" in args.parts:
+            ing = ingest(base, args.batches, args.senders)
+        crowd = concurrency(base, head, args.clients, args.duration) if "concurrency" in args.parts else []
     finally:
         server.stop()
+    if "gate" not in args.parts:
+        return {"backend": name, "workers": args.workers, "gate": gate, "ingest": ing, "concurrency": crowd}
     # The same polling with answer reuse off: every request recomputes the gate from scratch.
     cold = Server(
         url, workdir, args=["--workers", str(args.workers)], env_extra={"MAINGRAD_GATE_CACHE_SIZE": "0"}
@@ -508,6 +519,10 @@ def main() -> int:
     )
     parser.add_argument("--clients", default="50,200,500", help="concurrent gate pollers ('' to skip)")
     parser.add_argument("--memory", action="store_true", help="only the peak-RSS cases (D1, D2, largest)")
+    parser.add_argument("--parts", default="gate,ingest,concurrency", help="which measurements to run")
+    parser.add_argument(
+        "--max-concurrent", type=int, help="the server's MAINGRAD_MAX_CONCURRENT_REQUESTS (default: its own)"
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
@@ -554,6 +569,8 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|")
     for res in results:
         i = res["ingest"]
+        if not i:
+            continue
         print(
             f"| {res['backend']} | {res['workers']} | {i['senders']} | {i['records']} | {i['seconds']:.2f} | "
             f"{i['records_per_s']:,.0f} |"

@@ -55,7 +55,7 @@ class Settings(BaseSettings):
 
     # Requests handled at once by one worker; past it the worker answers 503 with Retry-After at once
     # instead of queueing requests for seconds (health checks are always answered). 0: no limit.
-    max_concurrent_requests: int = Field(64, ge=0)
+    max_concurrent_requests: int = Field(32, ge=0)
     # Retry-After (seconds) on 503 answers: load shed, database unavailable.
     retry_after_s: int = Field(2, ge=1, le=3600)
     # PostgreSQL: give up connecting after this long (the answer is then a 503, not a hung request).
