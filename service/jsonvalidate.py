@@ -80,42 +80,55 @@ def validate(value: Any, schema: dict[str, Any], pointer: str = "") -> None:
         raise BodyInvalid(pointer, f"must be {schema['const']!r}")
     if "enum" in schema and not any(_same(value, v) for v in schema["enum"]):
         raise BodyInvalid(pointer, f"must be one of {schema['enum']}")
-    kind = type(value)
-    if kind is int or kind is float:
-        if "minimum" in schema and value < schema["minimum"]:
-            raise BodyInvalid(pointer, f"must be >= {schema['minimum']}")
-        if "maximum" in schema and value > schema["maximum"]:
-            raise BodyInvalid(pointer, f"must be <= {schema['maximum']}")
-    elif kind is str:
-        if "maxLength" in schema and len(value) > schema["maxLength"]:
-            raise BodyInvalid(pointer, f"longer than {schema['maxLength']} characters")
-        if "minLength" in schema and len(value) < schema["minLength"]:
-            raise BodyInvalid(pointer, f"shorter than {schema['minLength']} characters")
-        if "pattern" in schema and not _compiled(schema["pattern"]).search(value):
-            raise BodyInvalid(pointer, f"does not match {schema['pattern']}")
-    elif kind is list:
-        if "maxItems" in schema and len(value) > schema["maxItems"]:
-            raise BodyInvalid(pointer, f"more than {schema['maxItems']} items")
-        if "minItems" in schema and len(value) < schema["minItems"]:
-            raise BodyInvalid(pointer, f"fewer than {schema['minItems']} items")
-        items = schema.get("items")
-        if items is not None:
-            for i, item in enumerate(value):
-                validate(item, items, f"{pointer}/{i}")
-    elif kind is dict:
-        for name in schema.get("required", ()):
-            if name not in value:
-                raise BodyInvalid(pointer, f"missing required property {name!r}")
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties", True)
-        for key, item in value.items():
-            sub = props.get(key)
-            if sub is not None:
-                validate(item, sub, f"{pointer}/{pointer_token(key)}")
-            elif extra is False:
-                raise BodyInvalid(f"{pointer}/{pointer_token(key)}", "is not an allowed property")
-            elif isinstance(extra, dict):
-                validate(item, extra, f"{pointer}/{pointer_token(key)}")
+    check = _BY_KIND.get(type(value))
+    if check is not None:
+        check(value, schema, pointer)
+
+
+def _number(value: float, schema: dict[str, Any], pointer: str) -> None:
+    if "minimum" in schema and value < schema["minimum"]:
+        raise BodyInvalid(pointer, f"must be >= {schema['minimum']}")
+    if "maximum" in schema and value > schema["maximum"]:
+        raise BodyInvalid(pointer, f"must be <= {schema['maximum']}")
+
+
+def _string(value: str, schema: dict[str, Any], pointer: str) -> None:
+    if "maxLength" in schema and len(value) > schema["maxLength"]:
+        raise BodyInvalid(pointer, f"longer than {schema['maxLength']} characters")
+    if "minLength" in schema and len(value) < schema["minLength"]:
+        raise BodyInvalid(pointer, f"shorter than {schema['minLength']} characters")
+    if "pattern" in schema and not _compiled(schema["pattern"]).search(value):
+        raise BodyInvalid(pointer, f"does not match {schema['pattern']}")
+
+
+def _array(value: list[Any], schema: dict[str, Any], pointer: str) -> None:
+    if "maxItems" in schema and len(value) > schema["maxItems"]:
+        raise BodyInvalid(pointer, f"more than {schema['maxItems']} items")
+    if "minItems" in schema and len(value) < schema["minItems"]:
+        raise BodyInvalid(pointer, f"fewer than {schema['minItems']} items")
+    items = schema.get("items")
+    if items is not None:
+        for i, item in enumerate(value):
+            validate(item, items, f"{pointer}/{i}")
+
+
+def _object(value: dict[str, Any], schema: dict[str, Any], pointer: str) -> None:
+    for name in schema.get("required", ()):
+        if name not in value:
+            raise BodyInvalid(pointer, f"missing required property {name!r}")
+    props = schema.get("properties", {})
+    extra = schema.get("additionalProperties", True)
+    for key, item in value.items():
+        sub = props.get(key)
+        if sub is not None:
+            validate(item, sub, f"{pointer}/{pointer_token(key)}")
+        elif extra is False:
+            raise BodyInvalid(f"{pointer}/{pointer_token(key)}", "is not an allowed property")
+        elif isinstance(extra, dict):
+            validate(item, extra, f"{pointer}/{pointer_token(key)}")
+
+
+_BY_KIND: dict[type, Any] = {int: _number, float: _number, str: _string, list: _array, dict: _object}
 
 
 def _same(a: Any, b: Any) -> bool:
