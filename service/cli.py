@@ -46,16 +46,19 @@ def register(subparsers: Any) -> None:
     serve.add_argument(
         "--database-url",
         default=os.environ.get("MAINGRAD_DATABASE_URL", "sqlite:///maingrad.db"),
-        help="SQLite file or postgresql+psycopg:// URL (default from $MAINGRAD_DATABASE_URL)",
+        help="SQLite file or postgresql+psycopg:// URL; $MAINGRAD_DATABASE_URL sets the default",
     )
     serve.add_argument(
         "--workers",
         type=int,
         default=default_workers(),
-        help="worker processes (default: one per available CPU, at most 8)",
+        help="worker processes; the default is one per available CPU, at most 8",
     )
     serve.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="log level",
     )
     serve.add_argument("--no-access-log", action="store_true", help="skip per-request log lines (faster)")
     serve.set_defaults(handler=cmd_serve)

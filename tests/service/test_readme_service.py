@@ -164,6 +164,6 @@ def test_serve_help_shows_the_defaults(tmp_path: Path) -> None:
         "(default: info)",
     ):
         assert default in text, text
-    assert re.search(r"one per available CPU, at most 8\) \(default: \d+\)", text), text
+    assert re.search(r"one per available CPU, at most 8 \(default: \d+\)", text), text
     upload = " ".join(mg("upload", "--help", cwd=tmp_path).stdout.split())
     assert "the token's project" in upload and "current folder outside git" in upload
