@@ -238,7 +238,10 @@ def normalize_path(uri: str, bases: dict[str, str] | None = None) -> str:
     """Repo-relative POSIX path from a SARIF URI or a report path (never an absolute prefix if avoidable)."""
     text = uri.strip()
     if text.startswith("file:"):
-        text = urlsplit(text).path
+        try:
+            text = urlsplit(text).path
+        except ValueError:  # e.g. "file://[x/a.py": an unbalanced IPv6 host; keep what follows the scheme
+            text = text[len("file:") :].lstrip("/")
     text = unquote(text).replace("\\", "/")
     for base in (bases or {}).values():
         if base and text.startswith(base):

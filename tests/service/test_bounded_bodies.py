@@ -278,3 +278,13 @@ def test_records_refuse_what_the_schema_refuses_and_keep_the_rest(project: Proje
     assert r.status_code == 200 and r.json()["inserted"] == 1
     raw = project.client.get(project.url("/runs/keep/records"), headers=project.headers("read")).json()
     assert raw["items"][0]["record"]["extra_field"] == {"nested": [1, 2]}
+
+
+def test_uris_that_urlsplit_refuses_are_paths_not_500(project: ProjectCtx) -> None:
+    result = sarif_result(path="file://[abc/src/x.py")
+    r = project.upload(sarif(result), sha("uri"))
+    assert r.status_code == 201, r.text
+    findings = project.client.get(
+        project.url(f"/analyses/{r.json()['id']}/findings"), headers=project.headers("read")
+    ).json()["items"]
+    assert findings[0]["path"].endswith("src/x.py")

@@ -55,6 +55,12 @@ def fields(**props: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]
 
 
 LINE = st.integers(0, 2**31 - 1)
+URI = st.one_of(
+    st.text(max_size=20),
+    st.sampled_from(
+        ["file://[x/a.py", "file:///abs/a.py", "file://host:99999/a.py", "%2e%2e/a.py", "a\\b.py"]
+    ),
+)
 REGION = fields(
     startLine=LINE, startColumn=LINE, endLine=LINE, endColumn=LINE, snippet=fields(text=st.text(max_size=30))
 )
@@ -67,7 +73,7 @@ RESULT = fields(
         text=st.text(max_size=40), id=st.just("m"), arguments=st.lists(st.text(max_size=10), max_size=3)
     ),
     locations=st.lists(
-        fields(physicalLocation=fields(artifactLocation=fields(uri=st.text(max_size=20)), region=REGION)),
+        fields(physicalLocation=fields(artifactLocation=fields(uri=URI), region=REGION)),
         max_size=2,
     ),
     suppressions=st.lists(fields(status=st.sampled_from(["accepted", "rejected"])), max_size=1),
