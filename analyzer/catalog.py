@@ -13,12 +13,15 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from maingrad.analyzer import __version__
 from maingrad.analyzer.fileio import atomic_write
 from maingrad.analyzer.needles import Needle
 from maingrad.contracts.report import RuleInfo, Severity
+
+if TYPE_CHECKING:  # the rules import this module's neighbours; the catalog loads them lazily
+    from maingrad.analyzer.rules.base import Rule
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -117,10 +120,10 @@ def rule_ids_on_disk() -> tuple[str, ...]:
 
 # Rules registered at run time (plugins, and tests that define their own rules) on top of the built-in
 # `analyzer/rules/mgNNN_*.py` modules. Worker processes started by fork inherit them.
-_EXTRA_RULES: dict[str, type] = {}
+_EXTRA_RULES: dict[str, type[Rule]] = {}
 
 
-def register_rule(rule: type) -> None:
+def register_rule(rule: type[Rule]) -> None:
     """Add a Rule subclass to every scan in this process (replaces a registered rule of the same id)."""
     _EXTRA_RULES[rule.id] = rule
 
@@ -129,7 +132,7 @@ def unregister_rule(rule_id: str) -> None:
     _EXTRA_RULES.pop(rule_id, None)
 
 
-def rule_classes() -> dict[str, type]:
+def rule_classes() -> dict[str, type[Rule]]:
     """Built-in and registered rule classes by id (imports libcst)."""
     from maingrad.analyzer.rules import rules_by_id
 
@@ -151,7 +154,7 @@ def extra_rules_signature() -> str:
     return digest.hexdigest() if _EXTRA_RULES else ""
 
 
-def _meta(rule: type) -> RuleMeta:
+def _meta(rule: type[Rule]) -> RuleMeta:
     return RuleMeta(
         id=rule.id,
         name=rule.name,

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import libcst as cst
 
 from maingrad.analyzer import walk
 from maingrad.analyzer.names import NameResolver, package_of
+
+NodeT = TypeVar("NodeT", bound=cst.CSTNode)
 
 
 @dataclass(frozen=True)
@@ -96,14 +99,14 @@ class FileContext:
         return self.module.code_for_node(node)
 
     # Fast whole-file queries (one shared pass) -----------------------------------------------------------
-    def nodes(self, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
+    def nodes(self, *kinds: type[NodeT]) -> list[NodeT]:
         """Every node of `kinds` in the file, in source order: use instead of a `module.visit(...)` pass."""
         if self._by_type is None:
             self._build_index()
             assert self._by_type is not None
         if len(kinds) == 1 and kinds[0] in self._by_type:
-            return list(self._by_type[kinds[0]])
-        found = [n for kind, ns in self._by_type.items() if issubclass(kind, kinds) for n in ns]
+            return list(self._by_type[kinds[0]])  # type: ignore[arg-type]  # indexed by exact type
+        found: list[Any] = [n for kind, ns in self._by_type.items() if issubclass(kind, kinds) for n in ns]
         if len({type(n) for n in found}) > 1:
             found.sort(key=self.index)
         return found

@@ -155,8 +155,9 @@ class LazyPositions:
             line = first.lineno
             blank = len(statement.leading_lines)
             decorators = getattr(statement, "decorators", ())
-            if decorators and getattr(first, "decorator_list", None):
-                line = first.decorator_list[0].lineno  # the first `@` line
+            decorator_list = getattr(first, "decorator_list", None)
+            if decorators and decorator_list:
+                line = decorator_list[0].lineno  # the first `@` line
                 blank += len(decorators[0].leading_lines)
             if 1 <= line - blank <= len(self._line_starts):
                 self._starts[statement] = self._line_starts[line - blank - 1]

@@ -202,7 +202,7 @@ def build_index(source: str, path: str) -> SyntaxIndex | None:
 
 # Expression helpers -------------------------------------------------------------------------------------
 def is_main_grad_attr(node: ast.AST) -> bool:
-    return type(node) is ast.Attribute and node.attr == MAIN_GRAD  # type: ignore[attr-defined]
+    return type(node) is ast.Attribute and node.attr == MAIN_GRAD
 
 
 def positional(call: ast.Call) -> list[ast.expr]:
@@ -211,15 +211,15 @@ def positional(call: ast.Call) -> list[ast.expr]:
 
 
 def is_str(node: ast.AST, value: str) -> bool:
-    return type(node) is ast.Constant and isinstance(node.value, str) and node.value == value  # type: ignore[attr-defined]
+    return type(node) is ast.Constant and isinstance(node.value, str) and node.value == value
 
 
 def last_name(call: ast.Call) -> str | None:
     func = call.func
     if type(func) is ast.Name:
-        return func.id  # type: ignore[attr-defined]
+        return func.id
     if type(func) is ast.Attribute:
-        return func.attr  # type: ignore[attr-defined]
+        return func.attr
     return None
 
 
@@ -227,10 +227,10 @@ def dotted(node: ast.AST) -> str | None:
     """`a.b.c` for a Name/Attribute chain, else None (libcst's `dotted_name`)."""
     parts: list[str] = []
     while type(node) is ast.Attribute:
-        parts.append(node.attr)  # type: ignore[attr-defined]
-        node = node.value  # type: ignore[attr-defined]
+        parts.append(node.attr)
+        node = node.value
     if type(node) is ast.Name:
-        parts.append(node.id)  # type: ignore[attr-defined]
+        parts.append(node.id)
         return ".".join(reversed(parts))
     return None
 
@@ -242,16 +242,11 @@ def is_main_grad_value(node: ast.AST) -> bool:
         return True
     if type(node) is not ast.Call:
         return False
-    func = node.func  # type: ignore[attr-defined]
+    func = node.func
     if type(func) is ast.Name and func.id == "getattr":
-        args = positional(node)  # type: ignore[arg-type]
+        args = positional(node)
         return 2 <= len(args) <= 3 and is_str(args[1], MAIN_GRAD)
-    return (
-        type(func) is ast.Attribute
-        and func.attr == GET_MAIN_GRAD
-        and not node.args  # type: ignore[attr-defined]
-        and not node.keywords  # type: ignore[attr-defined]
-    )
+    return type(func) is ast.Attribute and func.attr == GET_MAIN_GRAD and not node.args and not node.keywords
 
 
 def spine_of(node: ast.AST) -> Spine:
@@ -300,11 +295,7 @@ _EMPTY = Spine()
 
 
 def is_cast(node: ast.AST) -> bool:
-    return (
-        type(node) is ast.Call
-        and type(node.func) is ast.Attribute  # type: ignore[attr-defined]
-        and node.func.attr in CAST_METHODS  # type: ignore[attr-defined]
-    )
+    return type(node) is ast.Call and type(node.func) is ast.Attribute and node.func.attr in CAST_METHODS
 
 
 def _maybe_truthy(node: ast.AST | None) -> bool:
@@ -314,7 +305,7 @@ def _maybe_truthy(node: ast.AST | None) -> bool:
     if type(node) is ast.Name:
         return True
     if type(node) is ast.Constant:
-        value = node.value  # type: ignore[attr-defined]
+        value = node.value
         return isinstance(value, int) and bool(value)  # bools are ints: True passes, False does not
     return False
 
@@ -328,7 +319,7 @@ def pos(node: ast.AST) -> tuple[int, int]:
 def chain_before(index: SyntaxIndex, attribute: ast.AST, attr: str) -> str | None:
     """For `R.<attr>` written as a plain dotted chain (no spaces, parentheses or comments), R's text, which
     then equals libcst's `code_of(R)`; else None (the caller must assume nothing)."""
-    if type(attribute) is not ast.Attribute or attribute.attr != attr:  # type: ignore[attr-defined]
+    if type(attribute) is not ast.Attribute or attribute.attr != attr:
         return None
     text = index.segment(attribute)
     match = re.fullmatch(rf"({_CHAIN})\.{re.escape(attr)}", text or "")
@@ -463,7 +454,7 @@ class _Builder:
         if is_main_grad_value(node):
             self.index.truth_main_grad = True
         elif type(node) is ast.Name:
-            self.index.truth_names.add(node.id)  # type: ignore[attr-defined]
+            self.index.truth_names.add(node.id)
 
     def _test(self, node: Any) -> None:
         self._truth(node.test)
@@ -484,11 +475,11 @@ class _Builder:
     def _bind(self, target: ast.AST, value: ast.AST) -> None:
         if type(target) is ast.Name:
             if is_main_grad_value(value):
-                self.index.main_grad_value_names.add(target.id)  # type: ignore[attr-defined]
+                self.index.main_grad_value_names.add(target.id)
             spine = spine_of(value)
             if not spine.empty:
-                self.index.bindings.append((target.id, spine))  # type: ignore[attr-defined]
-        elif type(target) is ast.Attribute and target.attr == OVERWRITE_FLAG and _maybe_truthy(value):  # type: ignore[attr-defined]
+                self.index.bindings.append((target.id, spine))
+        elif type(target) is ast.Attribute and target.attr == OVERWRITE_FLAG and _maybe_truthy(value):
             self.index.overwrite_sets.append(target)
 
     def _assign(self, node: ast.Assign) -> None:
@@ -532,7 +523,7 @@ class _Builder:
         func_kind = type(func)
         takes_main_grad = False
         for arg in node.args:
-            if is_main_grad_attr(arg.value if type(arg) is ast.Starred else arg):  # type: ignore[attr-defined]
+            if is_main_grad_attr(arg.value if type(arg) is ast.Starred else arg):
                 takes_main_grad = True
         out: ast.AST | None = None
         out_dtype = False

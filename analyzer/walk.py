@@ -59,7 +59,7 @@ def _fields_of(kind: type) -> tuple[str, ...]:
     `_visit_and_replace_children` names them, read from its code object)."""
     names = [f.name for f in dataclasses.fields(kind)]
     order: list[str] = []
-    code = getattr(kind._visit_and_replace_children, "__code__", None)
+    code = getattr(getattr(kind, "_visit_and_replace_children", None), "__code__", None)
     if code is not None:
         for const in code.co_consts:
             if isinstance(const, str) and const in names and const not in order:

@@ -101,8 +101,81 @@ ANOMALIES: dict[str, Anomaly] = {
             False,
             "report it with the record: it is a maingrad bug",
         ),
+        # -- verdicts of maingrad.hooks.preflight (phase "preflight"): the gradient the optimizer would see --
+        Anomaly(
+            "grad_overwritten",
+            "preflight: with two micro-batches the optimizer's gradient equals the last micro-batch's alone "
+            "(G(A,B) = G(B)): a fused wgrad path overwrites main_grad instead of accumulating into it",
+            False,
+            "where Megatron-FSDP sets overwrite_main_grad=True on an unsharded gradient buffer (data-parallel "
+            "size 1, or `optim` before Megatron-LM #6357): use no_shard or a megatron-core with Megatron-LM "
+            "#6773; where the path ignores the flag (megatron-core tensor_parallel/layers.py Megatron-FSDP "
+            "branch): accumulate into main_grad unless overwrite_main_grad is True, or train with "
+            "gradient_accumulation_fusion=False",
+        ),
+        Anomaly(
+            "grad_scaled",
+            "preflight: the optimizer's gradient is a constant multiple (not 1) of the true gradient, "
+            "measured against central finite differences of the loss",
+            False,
+            "a fused path both wrote main_grad and returned a gradient the wrapper added again (TE BasicLinear "
+            "with overwrite_main_grad=True returns main_grad as the autograd gradient): set "
+            "grad_added_to_main_grad=True and return a dummy gradient, or avoid overwrite_main_grad=True on an "
+            "unsharded buffer; check loss scaling and the data-parallel gradient averaging",
+        ),
+        Anomaly(
+            "grad_lost",
+            "preflight: the optimizer's gradient is zero (or drops micro-batches) although the loss depends "
+            "on the parameter",
+            False,
+            "the fused wgrad went to a buffer the optimizer never reads (a stale or None main_grad skipped by a "
+            "guard, or grad_added_to_main_grad set without writing): write into the buffer get_main_grad() "
+            "returns at backward",
+        ),
+        Anomaly(
+            "grad_nondeterministic",
+            "preflight: repeating the same micro-batch from the same state and RNG gives a different gradient, "
+            "so accumulation could not be judged",
+            False,
+            "make the forward and backward repeatable for the check: randomness from a generator preflight "
+            "does not reset (pass it in rng_states=), state that changes every call, or nondeterministic "
+            "kernels (torch.use_deterministic_algorithms)",
+        ),
+        Anomaly(
+            "grad_inconsistent",
+            "preflight: the optimizer's gradient neither accumulates its micro-batches nor keeps one of them, "
+            "or disagrees with the finite-difference estimate by something other than a constant factor",
+            False,
+            "read the preflight table's numbers for this parameter; compare with gradient_accumulation_fusion="
+            "False, which the wrapper accumulates through autograd",
+        ),
+        Anomaly(
+            "grad_not_finite",
+            "preflight: the optimizer's gradient holds NaN or Inf (e.g. a gradient bucket nothing wrote)",
+            False,
+            "find the path that leaves the buffer unwritten or overflows; the loss itself was finite",
+        ),
+        Anomaly(
+            "preflight_error",
+            "preflight could not finish: the user's micro-batch (or the wrapper) raised; the record's param "
+            "is '*'",
+            False,
+            "run the micro-batch outside preflight to see the error; a 'MAIN GRAD NOT FOUND' here is the "
+            "main_grad_missing anomaly: expose main_grad (maingrad.hooks.install(model))",
+        ),
     )
 }
+
+# The verdict codes of maingrad.hooks.preflight, worst first (its table sorts by this order).
+PREFLIGHT_ANOMALIES: tuple[str, ...] = (
+    "preflight_error",
+    "grad_not_finite",
+    "grad_nondeterministic",
+    "grad_lost",
+    "grad_overwritten",
+    "grad_scaled",
+    "grad_inconsistent",
+)
 
 # Anomalies that make TE (or the GEMM) fail: `check` mode raises MainGradContractError for these.
 FATAL_ANOMALIES: frozenset[str] = frozenset(code for code, a in ANOMALIES.items() if a.fatal)

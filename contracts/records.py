@@ -42,7 +42,9 @@ FIELDS: tuple[str, ...] = (
     "t_ns",
 )
 
-PHASES: tuple[str, ...] = ("forward", "backward")
+# "preflight": a verdict of `maingrad.hooks.preflight` about one parameter (or, with param "*", the whole check);
+# appended last because the hooks store phases as indexes into this tuple.
+PHASES: tuple[str, ...] = ("forward", "backward", "preflight")
 ACTIONS: tuple[str, ...] = ("none", "exposed", "raised", "error")
 MODES: tuple[str, ...] = ("fix", "check", "observe")
 # Actions that are anomalous by themselves (a record with one and no anomaly code still counts as one).

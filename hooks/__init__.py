@@ -3,6 +3,8 @@
     handle = maingrad.hooks.install(model)   # after wrapping with DDP / Megatron-FSDP
     ...; handle.step(); ...; print(handle.summary()); handle.remove()
 
+    print(maingrad.hooks.preflight(model, run_microbatch, [batch_a, batch_b], loss_fn=loss_fn))  # once, before
+
 Attributes load lazily, so `import maingrad.hooks` (and the `maingrad` CLI) does not import torch.
 """
 
@@ -29,6 +31,10 @@ _EXPORTS: dict[str, str] = {
     "FIELDS": "maingrad.contracts.records",
     "SCHEMA_VERSION": "maingrad.contracts.records",
     "validate_record": "maingrad.contracts.records",
+    "preflight": "preflight_check",
+    "preflight_from_env": "preflight_check",
+    "PreflightResult": "preflight_check",
+    "PreflightFailed": "preflight_check",
 }
 
 __all__ = sorted(_EXPORTS)

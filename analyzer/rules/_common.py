@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import libcst as cst
 
@@ -153,15 +154,18 @@ def first_param(func: cst.FunctionDef) -> str | None:
     return params[0].name.value if params else None
 
 
-def own_nodes(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
+NodeT = TypeVar("NodeT", bound=cst.CSTNode)
+
+
+def own_nodes(root: cst.CSTNode, *kinds: type[NodeT]) -> list[NodeT]:
     """Nodes of `kinds` inside `root`, excluding those in nested function/class/lambda bodies (a nested
     def itself is included when its type is asked for)."""
-    return walk.find_own(root, *kinds)
+    return walk.find_own(root, *kinds)  # type: ignore[return-value]  # only nodes of `kinds`
 
 
-def all_nodes(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
+def all_nodes(root: cst.CSTNode, *kinds: type[NodeT]) -> list[NodeT]:
     """Every node of `kinds` under `root` (root included), in source order."""
-    return walk.find(root, *kinds)
+    return walk.find(root, *kinds)  # type: ignore[return-value]  # only nodes of `kinds`
 
 
 def local_bindings(func: cst.CSTNode | None) -> dict[str, list[cst.BaseExpression]]:
@@ -344,7 +348,7 @@ def _orelse_exits(orelse: cst.If | cst.Else) -> bool:
     return _exits(orelse.body) and orelse.orelse is not None and _orelse_exits(orelse.orelse)
 
 
-def _catches_attribute_error(handler: cst.ExceptHandler) -> bool:
+def _catches_attribute_error(handler: cst.ExceptHandler | cst.ExceptStarHandler) -> bool:
     if handler.type is None:
         return True
     names = [
@@ -575,7 +579,12 @@ class MainGradScope:
         )
         for owner in reversed(chain):  # inner bindings win
             for node in own_nodes(owner, cst.Assign, cst.AnnAssign):
-                targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+                if isinstance(node, cst.Assign):
+                    targets = [t.target for t in node.targets]
+                elif isinstance(node, cst.AnnAssign):
+                    targets = [node.target]
+                else:
+                    continue
                 if node.value is None:
                     continue
                 for target in targets:
@@ -667,8 +676,12 @@ def out_pairs(node: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression
                     found[key] = element
         if "out" not in found:
             return None
-        dtype = found.get("out_dtype")
-        return found["out"].value, dtype.value if dtype else None, dtype if dtype else node
+        dtype_element = found.get("out_dtype")
+        return (
+            found["out"].value,
+            dtype_element.value if dtype_element else None,
+            dtype_element if dtype_element else node,
+        )
     return None
 
 

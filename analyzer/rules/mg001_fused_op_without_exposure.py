@@ -843,7 +843,7 @@ def _build_fix(ctx: FileContext, owner: cst.ClassDef, flagged: list[_Flagged]) -
         return None
     tuple_code = ", ".join(children) + ("," if len(children) == 1 else "")
     # A docstring is not re-indented with its block: write its continuation lines at the final depth.
-    doc = _absolute_indent(ctx, owner.body) + ctx.module.default_indent
+    doc = _absolute_indent(ctx, owner.body) + ctx.module.default_indent  # type: ignore[arg-type]  # a class body
     method = cst.parse_statement(
         _METHOD_TEMPLATE.format(name=name, children=tuple_code, doc=doc), config=ctx.module.config_for_parsing
     )
@@ -893,7 +893,8 @@ class _ApplyPlan(cst.CSTTransformer):
             code = self.insert_before.get(id(old))
             if code is not None:
                 hook = cst.parse_statement(code + "\n", config=self.config)
-                body.append(hook.with_changes(leading_lines=[*new.leading_lines, self._comment_line()]))
+                lines = new.leading_lines  # type: ignore[attr-defined]  # every statement has leading_lines
+                body.append(hook.with_changes(leading_lines=[*lines, self._comment_line()]))
                 new = new.with_changes(leading_lines=[])
                 changed = True
             body.append(new)

@@ -408,7 +408,7 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
             f'if hasattr({key}, "__fsdp_param__"):\n    {key}.main_grad = {key}.get_main_grad()\n',
             config=ctx.module.config_for_parsing,
         )
-        exposure = exposure.with_changes(leading_lines=anchor.leading_lines)
+        exposure = exposure.with_changes(leading_lines=anchor.leading_lines)  # type: ignore[attr-defined]  # a statement
         moved = anchor.with_changes(leading_lines=[])
         return Fix(
             {anchor: cst.FlattenSentinel([exposure, moved])},

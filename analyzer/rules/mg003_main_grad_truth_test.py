@@ -46,7 +46,7 @@ def _is_main_grad_value(node: cst.CSTNode, bindings: dict[str, list[cst.BaseExpr
         return True
     if isinstance(node, cst.Name):
         values = bindings.get(node.value)
-        return bool(values) and all(_is_main_grad_value(v, {}) for v in values)
+        return values is not None and bool(values) and all(_is_main_grad_value(v, {}) for v in values)
     return False
 
 
@@ -293,9 +293,9 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
             if isinstance(target.target, cst.Name)
         }
         binding_cache: dict[int, dict[str, list[cst.BaseExpression]]] = {}
-        nodes = [n for n in ctx.nodes(cst.Attribute) if n.attr.value == "main_grad"]  # type: ignore[attr-defined]
+        nodes: list[cst.BaseExpression] = [n for n in ctx.nodes(cst.Attribute) if n.attr.value == "main_grad"]
         nodes += [n for n in ctx.nodes(cst.Call) if _is_main_grad_value(n, {})]
-        nodes += [n for n in ctx.nodes(cst.Name) if n.value in candidates]  # type: ignore[attr-defined]
+        nodes += [n for n in ctx.nodes(cst.Name) if n.value in candidates]
         for node in nodes:
             bindings: dict[str, list[cst.BaseExpression]] = {}
             if isinstance(node, cst.Name):

@@ -750,8 +750,9 @@ class _Analysis:
         position = params.index(chain) - offset
         for call, caller in self._callers(registrar):
             args = [a for a in call.args if not a.star and a.keyword is None]
-            if 0 <= position < len(args) and isinstance(args[position].value, cst.Name):
-                out |= self.handles(caller, args[position].value.value)
+            value = args[position].value if 0 <= position < len(args) else None
+            if isinstance(value, cst.Name):
+                out |= self.handles(caller, value.value)
         return out
 
     # Containers ------------------------------------------------------------------------------------------
@@ -803,8 +804,8 @@ class _Analysis:
                             containers[inner.value] = box
                     elif isinstance(inner, (cst.Attribute, cst.Subscript)):
                         if isinstance(inner, cst.Subscript) and is_container(inner.value):
-                            if isinstance(node.value, cst.Name):
-                                containers[inner.value.value].members.append(current(node.value.value))  # type: ignore[union-attr]
+                            if isinstance(node.value, cst.Name) and isinstance(inner.value, cst.Name):
+                                containers[inner.value.value].members.append(current(node.value.value))
                             continue
                         self._record_store(inner, node.value, containers, func)
             owner = self.adoption_target(node, func)
@@ -814,8 +815,8 @@ class _Analysis:
             if isinstance(node, cst.Call):
                 self._record_call(node, func, containers, current, adopted)
             if isinstance(node, cst.Return) and node.value is not None:
-                for held in _held(node.value, containers):
-                    containers[held].returned = True
+                for held_name in _held(node.value, containers):
+                    containers[held_name].returned = True
 
         flagged = []
         for box in containers.values():
@@ -851,10 +852,15 @@ class _Analysis:
                 containers[held].replayed = True  # stored somewhere we cannot follow
 
     def _record_call(self, call: cst.Call, func, containers, current, adopted) -> None:
-        receiver = call.func.value if isinstance(call.func, cst.Attribute) else None
-        if isinstance(receiver, cst.Name) and receiver.value in containers:
+        callee = call.func
+        receiver = callee.value if isinstance(callee, cst.Attribute) else None
+        if (
+            isinstance(callee, cst.Attribute)
+            and isinstance(receiver, cst.Name)
+            and receiver.value in containers
+        ):
             box = containers[receiver.value]
-            method = call.func.attr.value  # type: ignore[union-attr]
+            method = callee.attr.value
             if method in _MEMBER_METHODS:
                 args = [a for a in call.args if not a.star]
                 position = _MEMBER_METHODS[method]

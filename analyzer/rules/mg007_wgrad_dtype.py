@@ -263,7 +263,7 @@ def _cast_target(
         return (code_of(candidate), expr) if name in LOW_DTYPES else None
     if isinstance(candidate, cst.Attribute) and candidate.attr.value == "dtype":
         # `p.grad.to(p.dtype)`: a parameter's .grad already has the parameter's dtype (a no-op cast).
-        source = expr.func.value  # type: ignore[attr-defined]
+        source = expr.func.value
         if (
             isinstance(source, cst.Attribute)
             and source.attr.value == "grad"
@@ -531,16 +531,14 @@ fp32 buffer raises. Megatron-LM main replaced it (`_wgrad_gemm` computes in the 
                 yield from self._check_call(ctx, node, scope_of)
             elif any(a.keyword is not None and a.keyword.value == "out" for a in node.args):
                 yield from self._check_out(ctx, node, scope_of)
-        for node in ctx.nodes(cst.Dict):
-            assert isinstance(node, cst.Dict)
-            if any(isinstance(e, cst.DictElement) and string_value(e.key) == "out" for e in node.elements):
-                yield from self._check_out(ctx, node, scope_of)
-        for node in ctx.nodes(cst.AugAssign):
-            assert isinstance(node, cst.AugAssign)
-            if isinstance(node.operator, cst.AddAssign) and _looks_like_cast(node.value):
-                scope = scope_of(node)
-                if scope.is_main_grad(node.target):
-                    yield from self._check_cast(ctx, scope, node.value, node)
+        for mapping in ctx.nodes(cst.Dict):
+            if any(isinstance(e, cst.DictElement) and string_value(e.key) == "out" for e in mapping.elements):
+                yield from self._check_out(ctx, mapping, scope_of)
+        for aug in ctx.nodes(cst.AugAssign):
+            if isinstance(aug.operator, cst.AddAssign) and _looks_like_cast(aug.value):
+                scope = scope_of(aug)
+                if scope.is_main_grad(aug.target):
+                    yield from self._check_cast(ctx, scope, aug.value, aug)
 
     # out= / out_dtype= ---------------------------------------------------------------------------------
     def _check_out(self, ctx: FileContext, node: cst.Call | cst.Dict, scope_of) -> Iterator[Violation]:

@@ -523,6 +523,7 @@ class _Analysis:
         if last_name(node) not in ACCUMULATE_GEMMS or any(a.star == "**" for a in node.args):
             return None
         value = cst.parse_expression(f'not getattr({code_of(owner)}, "{OVERWRITE_FLAG}", False)')
+        replacements: dict[cst.CSTNode, cst.CSTNode]
         if write.accumulate is not None:
             replacements = {write.accumulate: write.accumulate.with_changes(value=value)}
         else:

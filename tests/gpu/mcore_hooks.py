@@ -159,7 +159,8 @@ def make_ddp_config(strategy: str):
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=strategy,
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        # Megatron-LM main (after 0.19.2) rejects the sharded-gradient strategies without overlapped reduction
+        overlap_grad_reduce=strategy in ("optim_grads", "optim_grads_params"),
         overlap_param_gather=False,
         use_distributed_optimizer=True,
     )

@@ -1,4 +1,4 @@
-"""CPU stand-ins for the real contracts (see ../shared/gpu/README.md and the test beds' sources).
+"""CPU stand-ins for the real contracts (see docs/gpu-evidence.md and the test beds' sources).
 
 Written from megatron-core 0.18.2 / 0.19.2 (`TEGroupedMLP`, Megatron-FSDP) and Transformer Engine 2.20.2
 (`te.ops.GroupedLinear`, `te.ops.Sequential`, `ops/_common.py`); behaviour reproduced, no code copied:
@@ -430,16 +430,19 @@ class MegatronFSDP(torch.nn.Module):
         semantics: str = "main",
         unit_types: tuple[type, ...] = (MoELayer,),
         swap_params: bool = True,
+        data_parallel_size: int = 2,
     ) -> None:
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(strategy)
-        if semantics not in ("main", "0.19.2"):
+        if semantics not in ("main", "0.19.2", "6773"):
             raise ValueError(semantics)
         self.module = module
         self.strategy = strategy
         self.semantics = semantics
-        self.sharded_grads = strategy in SHARDED_GRADS
+        # Megatron-FSDP shards the gradient buffer only when the data-parallel group has more than one rank;
+        # at size 1 every strategy accumulates into the persistent buffer (what the H200 runs measured).
+        self.sharded_grads = strategy in SHARDED_GRADS and data_parallel_size > 1
         self.swap_params = swap_params
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.raw = dict(module.named_parameters())
@@ -464,6 +467,12 @@ class MegatronFSDP(torch.nn.Module):
             param.__fsdp_param__ = True
         self.is_dist = False
         self._replace(self.dist)
+        # the optimizer's view (Megatron-FSDP `param_and_grad_buffer.optimizer_named_parameters`): the
+        # distributed parameters, whose .grad finish_grad_sync() points at the gradient buffer
+        for name, param in self.dist.items():
+            param.orig_param = self.raw[name]
+        self.param_and_grad_buffer = types.SimpleNamespace(optimizer_named_parameters=list(self.dist.items()))
+        self.installs = 0
 
     # -- grad buffer ------------------------------------------------------------------------------------
     def _main_grad_getter(self, name: str):
@@ -512,7 +521,9 @@ class MegatronFSDP(torch.nn.Module):
 
     # -- unshard hooks ----------------------------------------------------------------------------------
     def _overwrite_value(self) -> bool | None:
-        if self.semantics == "main":
+        if self.semantics == "main":  # Megatron-LM main d98e8a64: by strategy, whatever the group size
+            return self.strategy in SHARDED_GRADS
+        if self.semantics == "6773":  # Megatron-LM #6773: only where the buffer is really sharded
             return self.sharded_grads
         return None if self.strategy == "no_shard" else True
 
@@ -575,11 +586,21 @@ class MegatronFSDP(torch.nn.Module):
             param.grad_added_to_main_grad = False
         self.grad_data.zero_()
         self._reset_main_grads()
+        for param in self.dist.values():
+            param.grad = None
 
     def finish_grad_sync(self) -> None:
         if not self.sharded_grads:  # all-reduce (ws 1: nothing to do), then the buckets are reset
             self._reset_main_grads()
         self._replace(self.dist)
+        for name, param in self.dist.items():
+            param.grad = self.grad_data[self.offsets[name] : self.offsets[name] + param.numel()].view(
+                param.shape
+            )
+
+    def install_optimized_model_weights(self) -> None:
+        """Main weights -> model weights (here the same storage: counted, so tests see it called)."""
+        self.installs += 1
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {
@@ -672,3 +693,217 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
         got = a[name]
         worst = max(worst, ((got - ref).norm() / (ref.norm() + 1e-12)).item())
     return worst
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fused wgrad paths for preflight (dense layers), each written from the code it stands for
+# ---------------------------------------------------------------------------------------------------------
+class _DenseWgrad(torch.autograd.Function):
+    """y = x W^T; backward runs `path(weight, dw)`, which returns what autograd gets as the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, path):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.weight = weight  # the Parameter object itself: the paths read and set its attributes
+        ctx.path = path
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        dw = dy.reshape(-1, dy.shape[-1]).t().float() @ x.reshape(-1, x.shape[-1]).float()
+        return dy @ weight, ctx.path(weight, dw), None
+
+
+class _FusedDense(torch.nn.Module):
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def path(self, weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DenseWgrad.apply(x, self.weight, self.path)
+
+
+def _dummy_or_none(weight: torch.Tensor) -> torch.Tensor | None:
+    """TE / megatron-core after a fused wgrad: flag it for the wrapper's grad hook and hand autograd a dummy."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return torch.zeros_like(weight)
+    return None
+
+
+class TELinear(_FusedDense):
+    """TE `Linear(fuse_wgrad_accumulation=True)`: accumulates into main_grad unless overwrite_main_grad is True
+    (read at forward into ctx in TE; here at backward, the same within a micro-batch)."""
+
+    fuse_wgrad_accumulation = True
+
+    def path(self, weight, dw):
+        main_grad = get_main_grad_from_param(weight, "Linear")
+        if getattr(weight, "overwrite_main_grad", False):
+            main_grad.copy_(dw)
+        else:
+            main_grad.add_(dw)
+        return _dummy_or_none(weight)
+
+
+class BasicLinear(_FusedDense):
+    """TE 2.20 op-fuser `BasicLinear(accumulate_into_main_grad=True)` (ops/basic/basic_linear.py): with
+    overwrite_main_grad=True it writes the wgrad into main_grad and returns main_grad itself as the autograd
+    gradient without setting grad_added_to_main_grad, so a wrapper that accumulates `.grad` into an unsharded
+    main_grad adds it a second time (2x); otherwise it accumulates and returns a dummy."""
+
+    _accumulate_into_main_grad = True
+
+    def path(self, weight, dw):
+        main_grad = get_main_grad_from_param(weight, "BasicLinear")
+        if getattr(weight, "overwrite_main_grad", False):
+            main_grad.copy_(dw)
+            return main_grad
+        main_grad.add_(dw)
+        return _dummy_or_none(weight)
+
+
+class ColumnParallelLinear(_FusedDense):
+    """megatron-core `LinearWithGradAccumulationAndAsyncCommunication` with gradient_accumulation_fusion
+    (tensor_parallel/layers.py): the Megatron-FSDP branch (`__fsdp_param__`) refreshes main_grad and writes
+    the wgrad GEMM with out=main_grad, i.e. overwrites whatever overwrite_main_grad says; the DDP branch calls
+    apex's wgrad_gemm_accum kernel (accumulates)."""
+
+    gradient_accumulation_fusion = True
+
+    def path(self, weight, dw):
+        if hasattr(weight, "__fsdp_param__"):
+            weight.main_grad = weight.get_main_grad()
+            weight.main_grad.copy_(dw)
+        else:
+            weight.main_grad.add_(dw)
+        return _dummy_or_none(weight)
+
+
+class GuardedLinear(_FusedDense):
+    """A fused path that skips the write when main_grad is None (`if w.main_grad is not None:`) instead of
+    refreshing it from get_main_grad(): under Megatron-FSDP, where main_grad is None after every
+    zero_grad_buffer(), the weight gradient is lost."""
+
+    fuse_wgrad_accumulation = True
+
+    def path(self, weight, dw):
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is not None:
+            main_grad.add_(dw)
+        return _dummy_or_none(weight)
+
+
+class NoisyLinear(torch.nn.Linear):
+    """Output noise from the module's own generator, which no RNG reset reaches: every call differs."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        self.gen = torch.Generator().manual_seed(123)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y + 0.1 * torch.randn(y.shape, generator=self.gen)
+
+
+FUSED_KINDS = {
+    "te": TELinear,
+    "basic": BasicLinear,
+    "megatron": ColumnParallelLinear,
+    "guarded": GuardedLinear,
+}
+
+
+class DenseBlock(torch.nn.Module):
+    """plain Linear -> `middle` (the path under test) -> tanh -> plain Linear, with optional dropout (global RNG)
+    and a BatchNorm (a buffer the forward updates)."""
+
+    def __init__(
+        self, middle: str = "te", hidden: int = 8, *, dropout: float = 0.0, norm: bool = False
+    ) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(hidden, hidden)
+        if middle == "noisy":
+            self.mid: torch.nn.Module = NoisyLinear(hidden, hidden)
+        elif middle == "plain":
+            self.mid = torch.nn.Linear(hidden, hidden, bias=False)
+        else:
+            self.mid = FUSED_KINDS[middle](hidden, hidden)
+        self.drop = torch.nn.Dropout(dropout)
+        self.norm = torch.nn.BatchNorm1d(hidden) if norm else torch.nn.Identity()
+        self.out = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(torch.tanh(self.drop(self.mid(self.inp(x))))))
+
+
+class MegatronDDP(torch.nn.Module):
+    """Megatron DDP at world size 1: one fp32 buffer, `main_grad` views set at wrap, a post-accumulate hook that
+    adds `.grad` into main_grad unless grad_added_to_main_grad, zero_grad_buffer/finish_grad_sync."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.grad_data = torch.zeros(sum(p.numel() for p in params))
+        start = 0
+        for param in params:
+            param.main_grad = self.grad_data[start : start + param.numel()].view(param.shape)
+            param.grad_added_to_main_grad = False
+            param.register_post_accumulate_grad_hook(self._hook)
+            start += param.numel()
+        self.ddp_config = types.SimpleNamespace(use_distributed_optimizer=False)
+
+    @staticmethod
+    def _hook(param: torch.Tensor) -> None:
+        if not param.grad_added_to_main_grad and param.grad is not None:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+        param.grad_added_to_main_grad = False
+
+    def forward(self, *args: object) -> torch.Tensor:
+        return self.module(*args)
+
+    def zero_grad_buffer(self) -> None:
+        self.grad_data.zero_()
+        for param in self.module.parameters():
+            param.grad_added_to_main_grad = False
+
+    def finish_grad_sync(self) -> None:
+        pass
+
+
+def dense_batches(n: int = 2, hidden: int = 8, tokens: int = 16, seed: int = 5) -> list[tuple]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, hidden, generator=gen))
+        for _ in range(n)
+    ]
+
+
+def mse_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    x, target = batch
+    return ((model(x) - target) ** 2).mean()
+
+
+def mse_microbatch(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    loss = mse_loss(model, batch)
+    loss.backward()
+    return loss.detach()
+
+
+def moe_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    x, target = batch
+    return ((model(x, SPLITS) - target) ** 2).mean()
+
+
+def moe_microbatch(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    loss = moe_loss(model, batch)
+    loss.backward()
+    return loss.detach()

@@ -46,7 +46,9 @@ def test_records_follow_the_schema_exactly() -> None:
 
 def test_validate_reports_problems() -> None:
     record = _train().records()[0]
-    assert validate({**record, "phase": "sideways"}) == ["phase='sideways' not in ('forward', 'backward')"]
+    assert validate({**record, "phase": "sideways"}) == [
+        "phase='sideways' not in ('forward', 'backward', 'preflight')"
+    ]
     assert any("bool" in p for p in validate({**record, "rank": True}))
     assert any("unknown anomaly" in p for p in validate({**record, "anomaly": "gremlins"}))
     assert any("fields differ" in p for p in validate({k: v for k, v in record.items() if k != "t_ns"}))

@@ -1,0 +1,101 @@
+"""Randomness and module state that preflight fixes during its runs and puts back afterwards.
+
+Every micro-batch preflight runs starts from the same random state (the one the caller had), so dropout
+masks, random routing noise and data augmentation repeat exactly between "A alone", "A again" and "A then B";
+randomness preflight cannot see (a module's own `torch.Generator`, a call counter) shows up as a
+nondeterministic gradient instead of a false accumulation verdict. Covered: torch's CPU generator, every
+initialised CUDA device's default generator, Python's `random`, NumPy's global generator when NumPy is
+imported, megatron-core's CUDA RNG tracker when megatron-core is imported (never imported here), and any
+extra `(get_state, set_state)` pairs the caller passes.
+
+Module buffers (running statistics, routers' token counters, expert biases updated in forward) are copied
+once at the start and copied back at the end; parameters are restored by the finite-difference code itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+RngPair = tuple[Callable[[], Any], Callable[[Any], None]]
+
+
+def _megatron_trackers() -> list[RngPair]:
+    """megatron-core's model-parallel CUDA RNG tracker (dropout inside tensor-parallel regions), if loaded."""
+    module = sys.modules.get("megatron.core.tensor_parallel.random")
+    getter = getattr(module, "get_cuda_rng_tracker", None) if module is not None else None
+    if getter is None:
+        return []
+    try:
+        tracker = getter()
+    except Exception:  # noqa: BLE001 - not initialised: nothing to fix
+        return []
+    get_states = getattr(tracker, "get_states", None)
+    set_states = getattr(tracker, "set_states", None)
+    if not callable(get_states) or not callable(set_states):
+        return []
+
+    def get() -> Any:
+        states = get_states()
+        return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in states.items()}
+
+    def put(states: Any) -> None:
+        set_states({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states.items()})
+
+    return [(get, put)]
+
+
+class RngState:
+    """A snapshot of every random generator preflight knows of; `apply()` sets them all to it again."""
+
+    def __init__(self, extra: Sequence[RngPair] = ()) -> None:
+        self._pairs: list[RngPair] = [*_megatron_trackers(), *extra]
+        self.cpu = torch.get_rng_state()
+        self.cuda = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
+        self.python = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self._numpy = numpy
+        self.numpy = numpy.random.get_state() if numpy is not None else None
+        self.extra = [get() for get, _ in self._pairs]
+
+    def apply(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+        if self._numpy is not None and self.numpy is not None:
+            self._numpy.random.set_state(self.numpy)
+        for (_, put), state in zip(self._pairs, self.extra, strict=True):
+            put(state)
+
+
+class BufferState:
+    """Copies of every buffer of the model, put back in place (same tensor objects) by `restore()`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        seen: set[int] = set()
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is None or id(buf) in seen:
+                    continue
+                seen.add(id(buf))
+                self._buffers.append((module, name, buf, buf.detach().clone()))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module, name, buf, saved in self._buffers:
+                module._buffers[name] = buf  # a forward may have replaced the object
+                if buf.shape == saved.shape:
+                    buf.copy_(saved)
+                else:
+                    buf.data = saved

@@ -1,0 +1,38 @@
+#!/bin/bash
+# preflight's GPU runs (after the recipe of ../shared/gpu/README.md: TE in /tmp/site, megatron-core 0.19.2 in
+# /tmp/mc19; Megatron-LM main as a source tree of megatron/core, e.g. /tmp/mlm). Run from the project root.
+#   bash tests/gpu/run_preflight_gpu.sh cases MEGATRON_DIR TAG [--fd-detail]   # every required case
+#   bash tests/gpu/run_preflight_gpu.sh bench MEGATRON_DIR TAG                 # benchmarks/gpu/preflight_cost.py
+# Logs and JSON go to $OUT/TAG-*.{log,json}; each case's verdict line starts with VERDICT.
+set -u
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+MG=${MG:-/tmp/mg}
+if [ ! -d "$MG/maingrad/hooks" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$MG" . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+fi
+what=$1 mc=$2 tag=$3; shift 3
+PP=$MG:/tmp/site:$mc:$(pwd)/tests/gpu/stub
+TE_CASES="moe/optim_grads_params/fusion moe/no_shard/fusion moe/optim/fusion moe/optim_grads_params/nofusion
+  moe-opfuser/optim_grads_params/fusion moe-opfuser/no_shard/fusion
+  dense-fused/optim_grads_params/fusion dense-fused/no_shard/fusion dense-fused/optim_grads_params/nofusion
+  dense-te/optim_grads_params/fusion moe/ddp/fusion moe/ddp-distopt/fusion"
+GPT_CASES="gpt-local/no_shard/fusion gpt-local/optim/fusion gpt-local/optim_grads_params/fusion
+  gpt-local/no_shard/nofusion gpt-local/optim_grads_params/nofusion gpt-local/ddp/fusion"
+case "$what" in
+  cases)
+    PYTHONPATH=$PP timeout ${TE_TIMEOUT:-240} python3 tests/gpu/preflight_gpu.py --tag "$tag" \
+      --json "$OUT/$tag-te.json" "$@" $TE_CASES > "$OUT/$tag-te.log" 2>&1
+    echo "te rc=$?"
+    PYTHONPATH=$PP timeout ${GPT_TIMEOUT:-150} python3 tests/gpu/preflight_gpu.py --tag "$tag" \
+      --json "$OUT/$tag-gpt.json" $GPT_CASES > "$OUT/$tag-gpt.log" 2>&1
+    echo "gpt rc=$?"
+    grep -h -e '^VERDICT' -e 'megatron-core' -e 'finite differences per module type' "$OUT/$tag-te.log" "$OUT/$tag-gpt.log"
+    ;;
+  bench)
+    PYTHONPATH=$PP timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/gpu/preflight_cost.py > "$OUT/$tag-bench.log" 2>&1
+    echo "bench rc=$?"
+    grep -e '^RESULT' -e '^MEMORY' -e '^TRACE' -e 'megatron-core' "$OUT/$tag-bench.log"
+    ;;
+esac

@@ -1,0 +1,433 @@
+"""maingrad.hooks.preflight on the CPU emulators: each accumulation bug classified, passing paths pass, and the
+model's state afterwards equals its state before."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from emulators import (
+    FFN,
+    SPLITS,
+    DenseBlock,
+    E,
+    H,
+    MegatronDDP,
+    MegatronFSDP,
+    MoELayer,
+    batches,
+    dense_batches,
+    moe_loss,
+    moe_microbatch,
+    mse_loss,
+    mse_microbatch,
+)
+
+import maingrad.hooks
+from maingrad.contracts.records import validate
+from maingrad.hooks import preflight_check as preflight_module
+from maingrad.hooks.preflight_check import PreflightFailed, preflight, preflight_from_env
+
+
+def fsdp(middle: str, strategy: str, *, dp: int = 1, semantics: str = "main", **kw) -> MegatronFSDP:
+    torch.manual_seed(0)
+    return MegatronFSDP(
+        DenseBlock(middle, **kw), strategy, unit_types=(), data_parallel_size=dp, semantics=semantics
+    )
+
+
+def check(model: torch.nn.Module, n: int = 2, **kw) -> preflight_module.PreflightResult:
+    return preflight(model, mse_microbatch, dense_batches(n), loss_fn=mse_loss, **kw)
+
+
+def verdicts(result) -> dict[str, list[str]]:
+    """parameter name -> anomaly codes, failing parameters only."""
+    return {p.name: p.anomalies for p in result.params if p.anomalies}
+
+
+# -- 1. an accumulating fused path passes ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fsdp("te", "no_shard"),
+        lambda: fsdp("te", "optim", semantics="main"),  # Megatron-LM main (#6357): optim keeps the flag False
+        lambda: fsdp("te", "optim_grads_params", semantics="6773"),  # one-rank groups: flag False
+        lambda: fsdp("basic", "no_shard"),
+        lambda: fsdp("megatron", "optim_grads_params", dp=2),  # out= into a temporary bucket, then reduced
+        lambda: fsdp(
+            "te", "optim_grads_params", dp=2
+        ),  # real sharding: overwriting the temporary bucket is right
+        lambda: fsdp("basic", "optim_grads_params", dp=2),  # sharded copy_ of the returned main_grad: 1x
+        lambda: MegatronDDP(DenseBlock("megatron")),  # the DDP branch: apex kernel accumulates
+        lambda: MegatronDDP(DenseBlock("basic")),
+        lambda: DenseBlock("plain"),
+    ],
+    ids=[
+        "te-no_shard",
+        "te-optim-main",
+        "te-ogp-6773",
+        "basic-no_shard",
+        "megatron-ogp-dp2",
+        "te-ogp-dp2",
+        "basic-ogp-dp2",
+        "ddp-megatron",
+        "ddp-basic",
+        "plain",
+    ],
+)
+def test_accumulating_paths_pass(make) -> None:
+    model = make()
+    result = check(model)
+    assert result.status == "pass", result.table()
+    assert all(p.rel_sum is not None and p.rel_sum <= p.tolerance for p in result.params if p.norm_a > 0)
+    scaled = [g.scale for g in result.groups if g.scale is not None]
+    assert scaled and all(abs(s - 1) < 0.05 for s in scaled), result.table()
+
+
+def test_megatron_linear_no_shard_dp2_is_a_real_overwrite_only_at_dp1() -> None:
+    # megatron-core's Megatron-FSDP branch overwrites whatever the flag says; with a real (dp 2) sharded
+    # buffer nothing persistent is overwritten under optim_grads_params, but no_shard is never sharded.
+    assert verdicts(check(fsdp("megatron", "no_shard", dp=2))) == {"mid.weight": ["grad_overwritten"]}
+
+
+# -- 2. overwrites: flag-driven and flag-ignoring -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("strategy", "semantics"),
+    [
+        ("optim_grads_params", "main"),
+        ("optim_grads", "main"),
+        ("optim", "0.19.2"),
+        ("optim_grads_params", "0.19.2"),
+    ],
+)
+def test_flag_driven_overwrite(strategy: str, semantics: str) -> None:
+    result = check(fsdp("te", strategy, semantics=semantics))
+    assert result.status == "fail"
+    assert verdicts(result) == {"mid.weight": ["grad_overwritten"]}
+    mid = next(p for p in result.params if p.name == "mid.weight")
+    assert mid.overwrite_main_grad is True and mid.mechanism_kind == "te_module"
+    alpha, beta = mid.fit
+    assert abs(alpha) < 0.01 and abs(beta - 1) < 0.01  # exactly micro-batch B alone
+    assert 0.3 < mid.rel_sum < 1.0
+    assert "persistent (unsharded) buffer" in mid.notes[0]
+    assert mid.fd_scale == pytest.approx(1.0, abs=0.05)  # one micro-batch is right: no scale error
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_flag_ignoring_overwrite(strategy: str) -> None:
+    """megatron-core tensor_parallel/layers.py: out=main_grad under Megatron-FSDP, whatever the flag."""
+    result = check(fsdp("megatron", strategy, semantics="6773"))  # the flag is never True here
+    assert verdicts(result) == {"mid.weight": ["grad_overwritten"]}
+    mid = next(p for p in result.params if p.name == "mid.weight")
+    assert mid.overwrite_main_grad is not True and mid.mechanism_kind == "megatron_linear"
+    assert "whatever overwrite_main_grad says" in mid.notes[0]
+
+
+def test_moe_experts_overwritten_by_019_exposure() -> None:
+    """megatron-core 0.19.2 TEGroupedMLP (op-fuser, forces overwrite_main_grad=True) at data-parallel size 1."""
+    torch.manual_seed(0)
+    layer = MoELayer(E, H, FFN, version="0.19.2")
+    model = MegatronFSDP(layer, "optim_grads_params", semantics="0.19.2", data_parallel_size=1)
+    data = batches(1, 2)[0]
+    result = preflight(model, moe_microbatch, data, loss_fn=moe_loss)
+    bad = verdicts(result)
+    experts = {f"experts.linear_fc{i}.weight{j}" for i in (1, 2) for j in range(E) if SPLITS[j]}
+    assert set(bad) == experts and all(v == ["grad_overwritten"] for v in bad.values()), result.table()
+    unused = [p for p in result.params if p.name.endswith("weight1") and "experts" in p.name]
+    assert unused and all(p.ok and p.norm_a == 0 for p in unused)  # expert 1 gets no token: ok, not "lost"
+    assert any(g.zero_gradient and g.verdict == "unused" for g in result.groups)
+    no_shard = MegatronFSDP(
+        MoELayer(E, H, FFN, version="0.19.2"), "no_shard", semantics="0.19.2", data_parallel_size=1
+    )
+    assert preflight(no_shard, moe_microbatch, data, loss_fn=moe_loss).ok
+
+
+# -- 3. a path returning main_grad as the autograd gradient: 2x ---------------------------------------------------
+def test_basic_linear_overwrite_doubles_the_gradient() -> None:
+    result = check(fsdp("basic", "optim_grads_params"))
+    bad = verdicts(result)
+    assert bad == {"mid.weight": ["grad_overwritten", "grad_scaled"]}, result.table()
+    mid = next(p for p in result.params if p.name == "mid.weight")
+    assert mid.fd_scale == pytest.approx(2.0, rel=0.02)
+    assert mid.fit[1] == pytest.approx(1.0, abs=0.01)  # G(A,B) = G(B) = 2 g(B)
+    assert any("returned main_grad as the autograd gradient" in n for n in mid.notes)
+
+
+def test_scaled_with_one_microbatch_only() -> None:
+    """One batch: the 'A twice' law instead of A,B; the x2 still comes from the finite differences."""
+    result = check(fsdp("basic", "optim_grads_params"), n=1)
+    mid = next(p for p in result.params if p.name == "mid.weight")
+    assert mid.anomalies == ["grad_overwritten", "grad_scaled"] and mid.rel_twice is not None
+    assert check(fsdp("te", "no_shard"), n=1).ok
+
+
+# -- 4. lost wgrad and never-written buckets ------------------------------------------------------------------------
+def test_lost_wgrad() -> None:
+    result = check(fsdp("guarded", "no_shard"))
+    assert verdicts(result) == {"mid.weight": ["grad_lost"]}, result.table()
+    group = next(g for g in result.groups if "mid.weight" in g.names)
+    assert group.zero_gradient and group.verdict == "lost"
+    # the same module under Megatron DDP (main_grad always a buffer) is fine
+    assert check(MegatronDDP(DenseBlock("guarded"))).ok
+
+
+def test_unwritten_sharded_bucket_is_not_finite() -> None:
+    result = check(
+        fsdp("guarded", "optim_grads_params", dp=2)
+    )  # the NaN-filled temporary bucket reaches the buffer
+    assert verdicts(result) == {"mid.weight": ["grad_not_finite"]}
+
+
+# -- 5. nondeterminism is named, not blamed on accumulation ---------------------------------------------------------
+def test_nondeterministic_module() -> None:
+    result = check(DenseBlock("noisy"))
+    assert result.status == "fail"
+    codes = {code for p in result.params for code in p.anomalies}
+    assert codes == {"grad_nondeterministic"}, result.table()
+    assert next(p for p in result.params if p.name == "mid.weight").rel_repeat > 0.01
+
+
+def test_dropout_and_batchnorm_are_repeatable() -> None:
+    """Dropout draws from the global RNG, which preflight sets back before every micro-batch."""
+    result = check(fsdp("te", "no_shard", dropout=0.5, norm=True))
+    assert result.ok, result.table()
+    assert all(p.rel_sum == 0.0 for p in result.params if p.rel_sum is not None)  # bit for bit
+    assert all(p.rel_repeat is None for p in result.params)  # the repeat runs only where something failed
+
+
+def test_extra_rng_states_make_a_private_generator_repeatable() -> None:
+    torch.manual_seed(0)
+    block = DenseBlock("noisy")
+    gen = block.mid.gen
+    result = check(block, rng_states=[(gen.get_state, gen.set_state)])
+    assert result.ok, result.table()
+
+
+# -- 6. the model's state afterwards equals its state before ---------------------------------------------------------
+def _params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The parameters to compare: a Megatron-FSDP module holds its raw or its distributed Parameter objects
+    depending on where in the step it is (it swaps them every step), so for the emulator both sets, by name."""
+    if isinstance(model, MegatronFSDP):
+        return [*model.raw.items(), *((f"{n}#dist", p) for n, p in model.dist.items())]
+    return list(model.named_parameters())
+
+
+def _hooks(model: torch.nn.Module) -> list:
+    out = []
+    for module in model.modules():
+        for attr in (
+            "_forward_pre_hooks",
+            "_forward_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks_with_kwargs",
+        ):
+            out.append(dict(getattr(module, attr)))
+        out.append(len(module._state_dict_hooks))
+    for _, param in _params(model):
+        out.append(len(getattr(param, "_post_accumulate_grad_hooks", None) or {}))
+        out.append(len(getattr(param, "_backward_hooks", None) or {}))
+    return out
+
+
+def _snapshot(model: torch.nn.Module) -> dict:
+    return {
+        "params": [(n, p, p.detach().clone()) for n, p in _params(model)],
+        "buffers": [(n, b.detach().clone()) for n, b in model.named_buffers()],
+        "training": [m.training for m in model.modules()],
+        "hooks": _hooks(model),
+        "rng": torch.get_rng_state().clone(),
+        "py_rng": random.getstate(),
+    }
+
+
+def _assert_same(before: dict, model: torch.nn.Module) -> None:
+    after = _snapshot(model)
+    assert [(n, id(p)) for n, p, _ in before["params"]] == [(n, id(p)) for n, p, _ in after["params"]]
+    for (name, _, value), (_, _, now) in zip(before["params"], after["params"], strict=True):
+        assert torch.equal(value, now), name  # bit for bit
+    for (name, value), (_, now) in zip(before["buffers"], after["buffers"], strict=True):
+        assert torch.equal(value, now), name
+    assert before["training"] == after["training"]
+    assert before["hooks"] == after["hooks"]
+    assert torch.equal(before["rng"], after["rng"]) and before["py_rng"] == after["py_rng"]
+
+
+@pytest.mark.parametrize("middle", ["plain", "noisy"])
+def test_plain_model_state_is_restored(middle: str) -> None:
+    torch.manual_seed(0)
+    model = DenseBlock(middle, dropout=0.3, norm=True)
+    x, t = dense_batches(1)[0]
+    mse_loss(model, (x, t)).backward()  # the user has pending gradients
+    user_grads = {n: p.grad for n, p in model.named_parameters()}
+    user_values = {n: g.clone() for n, g in user_grads.items()}
+    torch.manual_seed(42)
+    random.seed(7)
+    before = _snapshot(model)
+    result = check(model)
+    _assert_same(before, model)
+    for name, param in model.named_parameters():
+        assert param.grad is user_grads[name] and torch.equal(param.grad, user_values[name])
+    assert (
+        result.cost["microbatch_passes"] == (4 if result.ok else 5)  # the repeat only where something failed
+        and 1 + result.cost["fd_groups"] <= result.cost["forward_passes"] <= 1 + 2 * result.cost["fd_groups"]
+    )
+
+
+@pytest.mark.parametrize("middle", ["te", "basic", "megatron"])
+def test_wrapped_model_state_is_restored(middle: str) -> None:
+    model = fsdp(middle, "optim_grads_params", norm=True, dropout=0.2)
+    torch.manual_seed(3)
+    before = _snapshot(model)
+    check(model)
+    _assert_same(before, model)
+    assert torch.count_nonzero(model.grad_data) == 0  # zeroed through the wrapper's own zero_grad_buffer()
+    assert all(p.grad is None for _, p in model.param_and_grad_buffer.optimizer_named_parameters)
+    assert (
+        model.installs > 0
+    )  # perturbed weights went in (and back) through install_optimized_model_weights()
+
+
+def test_state_is_restored_when_the_microbatch_raises() -> None:
+    model = fsdp("te", "optim_grads_params")
+    before = _snapshot(model)
+    calls = {"n": 0}
+
+    def failing(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("MAIN GRAD IS NONE")
+        return mse_microbatch(model, batch)
+
+    result = preflight(model, failing, dense_batches(2), loss_fn=mse_loss)
+    assert result.status == "error" and result.error == "RuntimeError: MAIN GRAD IS NONE"
+    assert "preflight_error" in result.table()
+    _assert_same(before, model)
+    records = result.records(run="r")
+    assert [r["anomaly"] for r in records] == ["preflight_error"] and not validate(records[0])
+
+
+def test_a_perturbation_the_forward_never_sees_is_an_error() -> None:
+    class Detached(preflight_module.Adapter):
+        def target(self, entry):  # a copy: what a wrapper computing with cached weights amounts to
+            return entry.opt_param.detach().clone()
+
+    model = DenseBlock("plain")
+    result = check(model, wrapper=Detached(model))
+    assert result.status == "error" and "never changed the loss" in result.error
+    assert result.params and not any(p.anomalies for p in result.params)  # linearity itself was fine
+
+
+# -- cost and device discipline ---------------------------------------------------------------------------------------
+def test_host_syncs_and_cost() -> None:
+    passing = check(fsdp("basic", "no_shard"))
+    # the perturbations' sizes, the forward differences, the one comparison at the end
+    assert passing.ok and passing.cost["host_syncs"] == 3
+    assert passing.cost["microbatch_passes"] == 4  # A, B, (A,B); no repeat when every verdict holds
+    assert passing.cost["fd_groups"] == 2 and passing.cost["forward_passes"] == 3  # base + one per group
+    failing = check(fsdp("basic", "optim_grads_params"))
+    # + the central confirmation of the x2 group (one forward, one sync) + the repeat of A (one pass, one sync)
+    assert failing.cost["host_syncs"] == 5 and failing.cost["microbatch_passes"] == 5
+    assert failing.cost["forward_passes"] == 4
+    assert {g.method for g in failing.groups} == {"forward", "central"}
+    assert set(failing.cost["seconds_by_part"]) == {"runs", "finite_differences", "comparison"}
+
+
+def test_without_loss_fn_the_microbatch_gives_the_loss() -> None:
+    result = preflight(fsdp("basic", "optim_grads_params"), mse_microbatch, dense_batches(2))
+    assert verdicts(result) == {"mid.weight": ["grad_overwritten", "grad_scaled"]}
+    assert (
+        result.cost["forward_passes"] == 0 and result.cost["microbatch_passes"] == 5 + 4
+    )  # FD: 4 evaluations
+
+
+def test_fd_groups_param_and_params_filter() -> None:
+    result = check(fsdp("basic", "optim_grads_params"), fd_groups="param", params=["mid.*", "out.weight"])
+    assert [p.name for p in result.params] == ["mid.weight", "out.weight"]
+    assert result.cost["fd_groups"] == 2
+    assert verdicts(result) == {"mid.weight": ["grad_overwritten", "grad_scaled"]}
+
+
+# -- forms: table, JSON, records, sinks ------------------------------------------------------------------------------
+def test_table_json_and_records(tmp_path) -> None:
+    result = check(fsdp("basic", "optim_grads_params"), label="dense/ogp")
+    table = result.table()
+    lines = table.splitlines()
+    assert lines[0].startswith("maingrad preflight [dense/ogp]: FAIL - Megatron-FSDP (optim_grads_params)")
+    assert "grad_overwritten+grad_scaled" in table and "x2" in table and "fix:" in table
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["status"] == "fail" and data["summary"][0]["verdict"] == "grad_overwritten+grad_scaled"
+    shown = preflight_module._result_from_dict(data)
+    assert shown.table().splitlines()[0] == lines[0]
+    records = result.records(run="run-1", rank=0, commit="abc")
+    assert all(not validate(r) for r in records)
+    assert [(r["param"], r["anomaly"]) for r in records] == [
+        ("*", None),
+        ("weight", "grad_overwritten"),
+        ("weight", "grad_scaled"),
+    ]
+    assert records[1]["module"] == "mid" and records[1]["phase"] == "preflight"
+    assert records[1]["overwrite_main_grad"] is True and records[1]["is_fsdp_param"] is True
+    assert len({r["id"] for r in records}) == len(records)
+    path = tmp_path / "pf.jsonl"
+    result2 = check(fsdp("basic", "optim_grads_params"), sinks=[f"jsonl:{path}"], run="run-2", commit="def")
+    written = [json.loads(line) for line in (tmp_path / "pf.rank0.jsonl").read_text().splitlines()]
+    assert [r["anomaly"] for r in written] == [
+        None,
+        "grad_overwritten",
+        "grad_scaled",
+    ] and result2.status == "fail"
+    assert {r["run"] for r in written} == {"run-2"} and {r["commit"] for r in written} == {"def"}
+
+
+def test_package_exports_the_functions() -> None:
+    assert maingrad.hooks.preflight is preflight and maingrad.hooks.preflight_from_env is preflight_from_env
+    result = maingrad.hooks.preflight(
+        fsdp("te", "no_shard"), mse_microbatch, dense_batches(2), loss_fn=mse_loss
+    )
+    assert result.ok
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fd_groups": "layers"}, "fd_groups must be one of"),
+        ({"fd_eps": 0.0}, "fd_eps must be in"),
+        ({"wrapper": "deepspeed"}, "wrapper must be 'auto'"),
+        ({"wrapper": "megatron-fsdp"}, "needs model.param_and_grad_buffer"),
+        ({"loss_fn": 3}, "loss_fn must be callable"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        preflight(DenseBlock("plain"), mse_microbatch, dense_batches(2), **kwargs)
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        preflight(DenseBlock("plain"), mse_microbatch, [])
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        preflight(object(), mse_microbatch, dense_batches(1))  # type: ignore[arg-type]
+
+
+# -- the driver form ---------------------------------------------------------------------------------------------------
+def test_run_from_env_modes(tmp_path, capsys) -> None:
+    args = (mse_microbatch, dense_batches(2))
+    assert preflight_from_env(fsdp("basic", "optim_grads_params"), *args, env={}, loss_fn=mse_loss) is None
+    out = tmp_path / "r{rank}.json"
+    env = {"MAINGRAD_PREFLIGHT": "warn", "MAINGRAD_PREFLIGHT_JSON": str(out), "RANK": "0"}
+    result = preflight_from_env(fsdp("basic", "optim_grads_params"), *args, env=env, loss_fn=mse_loss)
+    assert result is not None and result.status == "fail"
+    assert json.loads((tmp_path / "r0.json").read_text())["status"] == "fail"
+    assert "grad_scaled" in capsys.readouterr().err
+    with pytest.raises(PreflightFailed, match="grad_overwritten"):
+        preflight_from_env(
+            fsdp("basic", "optim_grads_params"), *args, env={"MAINGRAD_PREFLIGHT": "on"}, loss_fn=mse_loss
+        )
+    with pytest.raises(SystemExit) as exc:
+        preflight_from_env(
+            fsdp("te", "no_shard"), *args, env={"MAINGRAD_PREFLIGHT": "only"}, loss_fn=mse_loss
+        )
+    assert exc.value.code == 0
+    with pytest.raises(ValueError, match="MAINGRAD_PREFLIGHT='sometimes'"):
+        preflight_from_env(fsdp("te", "no_shard"), *args, env={"MAINGRAD_PREFLIGHT": "sometimes"})
