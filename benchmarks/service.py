@@ -18,6 +18,16 @@ MAINGRAD_TEST_POSTGRES_URL is set (dropped afterwards).
 2. Ingest. `--senders` clients post pre-serialized NDJSON batches of 1,000 records (`--batches` in all) to
    one run as fast as the server acknowledges them; records/s = records stored / wall time.
 
+3. Concurrency (`--clients 50,200,500`): that many clients each poll the gate back to back on their own
+   keep-alive connection for `--duration` seconds; a client answered 503 waits its Retry-After, as the CLI
+   does. Reported: answers/s, p50/p99/max latency of the 200s, and how many were shed (503): the server
+   should shed rather than queue requests for seconds.
+4. Memory (`--memory`): a fresh one-worker server per case; its peak RSS (VmHWM of /proc/PID/status) after the
+   case, next to the same server's peak after start-up and a warm-up upload (the floor). Cases: the D1 gzip
+   bomb (0.24 MiB inflating to 250 MiB of `{}`), the D1 records line (one 120 MiB NDJSON line, gzipped), the D2
+   template expansion (100 KB template x 2,000 results), and the largest report accepted by default (25,000
+   SARIF results). Target: every peak under 512 MB.
+
 Targets (issue 4, acceptance 7): gate p99 <= 20 ms at 200 req/s; ingest >= 50,000 records/s.
 Everything is bounded: requests = rate x duration per step, batches fixed, and a hard time limit.
 """
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import socket
@@ -45,6 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "service"))
 
 from svc_helpers import ADMIN, Server, finding, ndjson, record, report, sha  # noqa: E402
+
+from maingrad.service.cli import default_workers  # noqa: E402
 
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 
@@ -271,14 +284,210 @@ def ingest(base: str, batches: int, senders: int, batch_size: int = 1_000) -> di
     return {"records": stored, "seconds": elapsed, "records_per_s": stored / elapsed, "senders": senders}
 
 
+async def _closed_loop(url: str, params: dict[str, str], clients: int, duration: float) -> dict[str, float]:
+    """`clients` keep-alive connections polling back to back; a 503 makes that client wait its Retry-After."""
+    parsed = httpx.URL(url).copy_merge_params(params)
+    request = (
+        f"GET {parsed.raw_path.decode()} HTTP/1.1\r\nHost: {parsed.host}:{parsed.port}\r\n"
+        f"Authorization: {HEADERS['Authorization']}\r\nAccept: application/json\r\n\r\n"
+    ).encode()
+    latencies: list[float] = []
+    counts = {"ok": 0, "shed": 0, "errors": 0}
+    stop = time.perf_counter() + duration
+
+    async def client() -> None:
+        conn: _Conn | None = None
+        while time.perf_counter() < stop:
+            try:
+                if conn is None:
+                    conn = await _Conn.open(parsed.host, parsed.port)
+                started = time.perf_counter()
+                status = await conn.get(request)
+            except (OSError, asyncio.IncompleteReadError, ValueError):
+                counts["errors"] += 1
+                conn = None
+                await asyncio.sleep(0.05)
+                continue
+            if status == 200:
+                latencies.append(time.perf_counter() - started)
+                counts["ok"] += 1
+            elif status == 503:
+                counts["shed"] += 1
+                await asyncio.sleep(2.0)  # the server's Retry-After
+            else:
+                counts["errors"] += 1
+        if conn is not None:
+            conn.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    elapsed = time.perf_counter() - t0
+    latencies.sort()
+
+    def pct(q: float) -> float:
+        return (
+            1000 * latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")
+        )
+
+    return {
+        "clients": clients,
+        "answered_per_s": counts["ok"] / elapsed,
+        "p50_ms": pct(0.5),
+        "p99_ms": pct(0.99),
+        "max_ms": 1000 * latencies[-1] if latencies else float("nan"),
+        "ok": counts["ok"],
+        "shed_503": counts["shed"],
+        "errors": counts["errors"],
+    }
+
+
+def concurrency(base: str, head: str, clients: list[int], duration: float) -> list[dict[str, Any]]:
+    return [_run(_closed_loop(f"{base}/gate", {"commit_sha": head}, n, duration)) for n in clients]
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+def _gzip_parts(parts: Any) -> bytes:
+    import zlib
+
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    return b"".join([packer.compress(p) for p in parts] + [packer.flush()])
+
+
+def _memory_cases() -> list[tuple[str, str, bytes, dict[str, str]]]:
+    """(name, path suffix, body, headers): the D1/D2 reproducers and the largest default-accepted report."""
+    gz = {"Content-Encoding": "gzip"}
+    n = (250 << 20) // 3
+    bomb = _gzip_parts(
+        [b'{"version":"2.1.0","runs":[{"tool":{"driver":{"name":"x"}},"results":[']
+        + [b"{}," * (1 << 20)] * (n >> 20)
+        + [b"{}]}]}"]
+    )
+    line = b'{"id":"u1","rank":0,"step":1,"phase":"forward","module":"' + b"m" * (120 << 20) + b'"}\n'
+    long_line = _gzip_parts([line[i : i + (8 << 20)] for i in range(0, len(line), 8 << 20)])
+    template = {
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "t",
+                        "rules": [{"id": "R", "messageStrings": {"m": {"text": "x" * 100_000 + "{0}"}}}],
+                    }
+                },
+                "results": [
+                    {"ruleId": "R", "message": {"id": "m", "arguments": ["i"]}} for _ in range(2_000)
+                ],
+            }
+        ],
+    }
+    results = [
+        {
+            "ruleId": f"R{i % 50}",
+            "level": "warning",
+            "message": {"text": f"finding {i}: something odd about this call"},
+            "locations": [
+                {
+                    "physicalLocation": {
+                        "artifactLocation": {"uri": f"src/pkg{i % 97}/mod{i % 13}.py"},
+                        "region": {
+                            "startLine": i % 5000 + 1,
+                            "startColumn": 5,
+                            "snippet": {"text": f"call_{i}(x, y)"},
+                        },
+                    }
+                }
+            ],
+            "partialFingerprints": {"primaryLocationLineHash": f"{i:016x}"},
+        }
+        for i in range(25_000)
+    ]
+    largest = {"version": "2.1.0", "runs": [{"tool": {"driver": {"name": "big"}}, "results": results}]}
+    # The worst a body may do under the default caps: as many values as allowed (the most objects per byte,
+    # in a property bag, which is kept), and as many bytes as allowed (one string just under the inflate cap).
+    values = _gzip_parts(
+        [b'{"version":"2.1.0","runs":[{"tool":{"driver":{"name":"x"}},"properties":{"bag":[']
+        + [b"{}," * 1000] * 1990
+        + [b'{}]},"results":[]}]}']
+    )
+    text = _gzip_parts(
+        [b'{"version":"2.1.0","runs":[{"tool":{"driver":{"name":"x"}},"properties":{"blob":"']
+        + [b"a" * (1 << 20)] * 31
+        + [b'"},"results":[]}]}']
+    )
+    return [
+        ("D1 gzip bomb (250 MiB of {})", "/reports?commit_sha=b4", bomb, gz),
+        ("D1 one 120 MiB record line", "/runs/r/records", long_line, gz),
+        (
+            "D2 100 KB template x 2,000",
+            "/reports?commit_sha=t1",
+            gzip.compress(json.dumps(template).encode()),
+            gz,
+        ),
+        (
+            "largest accepted: 25,000 results",
+            "/reports?commit_sha=big",
+            gzip.compress(json.dumps(largest).encode()),
+            gz,
+        ),
+        ("at the value budget: 1.99M objects", "/reports?commit_sha=v1", values, gz),
+        ("at the inflate cap: a 31 MiB string", "/reports?commit_sha=s1", text, gz),
+    ]
+
+
+def memory(url: str, workdir: Path) -> list[dict[str, Any]]:
+    out = []
+    for name, suffix, body, headers in _memory_cases():
+        server = Server(url, workdir, args=["--workers", "1"]).start()
+        try:
+            assert server.proc is not None
+            base, _head = seed(server)  # a warm server: every code path imported and used once
+            floor = _peak_rss_mb(server.proc.pid)
+            r = httpx.post(base + suffix, content=body, headers={**HEADERS, **headers}, timeout=600)
+            peak = _peak_rss_mb(server.proc.pid)
+            out.append(
+                {
+                    "case": name,
+                    "wire_kib": len(body) / 1024,
+                    "status": r.status_code,
+                    "code": r.json().get("code", r.json().get("outcome")),
+                    "floor_mb": floor,
+                    "peak_mb": peak,
+                    "peak_over_floor": peak / floor,
+                }
+            )
+        finally:
+            server.stop()
+    return out
+
+
 def bench_backend(name: str, url: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    server = Server(url, workdir, args=["--workers", str(args.workers)]).start()
+    if args.memory:
+        return {"backend": name, "workers": 1, "memory": memory(url, workdir)}
+    env = (
+        {"MAINGRAD_MAX_CONCURRENT_REQUESTS": str(args.max_concurrent)}
+        if args.max_concurrent is not None
+        else {}
+    )
+    server = Server(url, workdir, args=["--workers", str(args.workers)], env_extra=env).start()
+    gate: list[dict[str, Any]] = []
+    ing: dict[str, Any] = {}
     try:
         base, head = seed(server)
-        gate = gate_latency(base, head, args.rates, args.duration)
-        ing = ingest(base, args.batches, args.senders)
+        if "gate" in args.parts:
+            gate = gate_latency(base, head, args.rates, args.duration)
+        if "ingest" in args.parts:
+            ing = ingest(base, args.batches, args.senders)
+        crowd = concurrency(base, head, args.clients, args.duration) if "concurrency" in args.parts else []
     finally:
         server.stop()
+    if "gate" not in args.parts:
+        return {"backend": name, "workers": args.workers, "gate": gate, "ingest": ing, "concurrency": crowd}
     # The same polling with answer reuse off: every request recomputes the gate from scratch.
     cold = Server(
         url, workdir, args=["--workers", str(args.workers)], env_extra={"MAINGRAD_GATE_CACHE_SIZE": "0"}
@@ -289,7 +498,7 @@ def bench_backend(name: str, url: str, workdir: Path, args: argparse.Namespace) 
         gate += gate_latency(base, head, args.rates, args.duration, label="gate (no reuse)", floor=False)
     finally:
         cold.stop()
-    return {"backend": name, "workers": args.workers, "gate": gate, "ingest": ing}
+    return {"backend": name, "workers": args.workers, "gate": gate, "ingest": ing, "concurrency": crowd}
 
 
 def main() -> int:
@@ -305,10 +514,19 @@ def main() -> int:
         help="concurrent ingest clients (like training ranks; with 2, uvicorn's shared accept often hands both "
         "connections to one worker, which halves throughput on 2 workers)",
     )
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="uvicorn worker processes")
+    parser.add_argument(
+        "--workers", type=int, default=default_workers(), help="worker processes (default: maingrad serve's)"
+    )
+    parser.add_argument("--clients", default="50,200,500", help="concurrent gate pollers ('' to skip)")
+    parser.add_argument("--memory", action="store_true", help="only the peak-RSS cases (D1, D2, largest)")
+    parser.add_argument("--parts", default="gate,ingest,concurrency", help="which measurements to run")
+    parser.add_argument(
+        "--max-concurrent", type=int, help="the server's MAINGRAD_MAX_CONCURRENT_REQUESTS (default: its own)"
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
+    args.clients = [int(c) for c in args.clients.split(",") if c]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends.split(","):
@@ -324,6 +542,19 @@ def main() -> int:
                     results.append(bench_backend("postgres", url, Path(tmp), args))
                 finally:
                     _pg_drop(pg, schema)
+    if args.memory:
+        print("\nPeak server RSS per request (one worker; target < 512 MB)\n")
+        print("| backend | case | on the wire KiB | answer | floor MB | peak MB | peak / floor |")
+        print("|---|---|---:|---|---:|---:|---:|")
+        for res in results:
+            for m in res["memory"]:
+                print(
+                    f"| {res['backend']} | {m['case']} | {m['wire_kib']:,.0f} | {m['status']} {m['code']} | "
+                    f"{m['floor_mb']:.0f} | {m['peak_mb']:.0f} | {m['peak_over_floor']:.2f} |"
+                )
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
     print("\nGate latency (open loop; target p99 <= 20 ms at 200 req/s)\n")
     print("| backend | workers | endpoint | offered req/s | achieved req/s | p50 ms | p99 ms | errors |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
@@ -338,10 +569,23 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|")
     for res in results:
         i = res["ingest"]
+        if not i:
+            continue
         print(
             f"| {res['backend']} | {res['workers']} | {i['senders']} | {i['records']} | {i['seconds']:.2f} | "
             f"{i['records_per_s']:,.0f} |"
         )
+    print("\nConcurrent gate pollers (closed loop; a 503 makes the client wait its Retry-After)\n")
+    print(
+        "| backend | workers | clients | answered/s | p50 ms | p99 ms | max ms | 200s | shed 503 | errors |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for res in results:
+        for c in res["concurrency"]:
+            print(
+                f"| {res['backend']} | {res['workers']} | {c['clients']} | {c['answered_per_s']:.0f} | "
+                f"{c['p50_ms']:.1f} | {c['p99_ms']:.1f} | {c['max_ms']:.0f} | {c['ok']} | {c['shed_503']} | {c['errors']} |"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

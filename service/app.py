@@ -20,12 +20,21 @@ from sqlalchemy import select
 from maingrad.service import auth, migrate, problems
 from maingrad.service.api.routes import alerts, gate, health, projects, reports, runs
 from maingrad.service.bodies import BodyLimitMiddleware, body_limits
+from maingrad.service.bodyschema import (
+    BodyLimits,
+    maingrad_report_schema,
+    record_schema,
+    records_body_schema,
+    sarif_schema,
+)
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.gate_cache import GateCache
 from maingrad.service.metrics import MetricsMiddleware, new_registry
 from maingrad.service.models import Token
+from maingrad.service.reports import lock_key
 from maingrad.service.schemas import Problem
+from maingrad.service.shedding import LoadShedMiddleware
 
 log = logging.getLogger("maingrad.service")
 API_PREFIX = "/api/v1"
@@ -43,6 +52,7 @@ def bootstrap_admin(db: Database, settings: Settings) -> str | None:
     if settings.admin_token is not None and settings.admin_token.get_secret_value():
         return None
     with db.writing() as session:
+        lock_key(session, "bootstrap-admin")  # several workers start at once: one mints, the others see it
         exists = session.execute(
             select(Token.id).where(Token.project_id.is_(None), Token.revoked_at.is_(None)).limit(1)
         ).first()
@@ -91,7 +101,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     problems.install(app)
     app.add_middleware(BodyLimitMiddleware, limit_for=body_limits(settings))
     app.state.metrics = new_registry()
+    # Added last, so it runs first: a shed request costs no body read, no metrics middleware, no handler.
     app.add_middleware(MetricsMiddleware, registry=app.state.metrics)
+    app.add_middleware(
+        LoadShedMiddleware,
+        limit=settings.max_concurrent_requests,
+        retry_after_s=settings.retry_after_s,
+        on_shed=lambda: app.state.metrics.inc("maingrad_requests_shed_total"),
+    )
     app.include_router(health.router)
     app.include_router(api_router())
     from maingrad.service.dashboard.routes import mount as mount_dashboard
@@ -123,6 +140,20 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     )
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["Problem"] = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+    limits = BodyLimits.from_settings(app.state.settings)
+    components["MaingradReport"] = maingrad_report_schema(limits)
+    components["SarifLog"] = sarif_schema(limits)
+    components["ReportBody"] = {
+        "oneOf": [
+            {"$ref": "#/components/schemas/MaingradReport"},
+            {"$ref": "#/components/schemas/SarifLog"},
+        ]
+    }
+    components["RuntimeRecord"] = record_schema(limits)
+    components["RecordsBody"] = {
+        **records_body_schema(limits),
+        "items": {"$ref": "#/components/schemas/RuntimeRecord"},
+    }
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     for path, item in schema.get("paths", {}).items():

@@ -128,6 +128,7 @@ _TOKEN_AND_PROJECT = (
         Project.default_branch.label("p_branch"),
         Project.created_at.label("p_created"),
         Project.revision.label("p_revision"),
+        Project.required_evidence.label("p_required"),
     )
     .select_from(Token)
     .outerjoin(Project, Project.name == bindparam("n"))
@@ -159,6 +160,7 @@ def resolve(
         default_branch=row.p_branch,
         created_at=row.p_created,
         revision=row.p_revision,
+        required_evidence=row.p_required,
     )
     return principal, project
 

@@ -43,28 +43,70 @@ def _too_large(limit: int) -> ProblemError:
     return ProblemError(413, "body_too_large", f"request body exceeds {limit} bytes", limit=limit)
 
 
-def decode_content(body: bytes, encoding: str | None, max_decompressed: int) -> bytes:
-    """Undo Content-Encoding (identity or gzip) with a hard cap on the inflated size."""
+def decode_content(
+    body: bytes, encoding: str | None, max_decompressed: int, max_line: int | None = None
+) -> bytes | bytearray:
+    """Undo Content-Encoding (identity or gzip) with a hard cap on the inflated size and, for gzipped NDJSON,
+    on the length of one line; both are enforced while inflating, so a bomb stops at the cap."""
     encoding = (encoding or "identity").strip().lower()
     if encoding in ("", "identity"):
         if len(body) > max_decompressed:
-            raise ProblemError(
-                413,
-                "decompressed_too_large",
-                f"body exceeds {max_decompressed} bytes",
-                limit=max_decompressed,
-            )
-        return body
+            raise _inflated_too_large(max_decompressed)
+        return body  # bounded by the wire limit; NDJSON lines are measured as the batch is split
     if encoding not in ("gzip", "x-gzip"):
         raise ProblemError(
             415, "unsupported_encoding", f"Content-Encoding {encoding!r} is not supported (use gzip)"
         )
-    return gunzip_capped(body, max_decompressed)
+    return gunzip_capped(body, max_decompressed, max_line)
 
 
-def gunzip_capped(data: bytes, limit: int) -> bytes:
+def _inflated_too_large(limit: int) -> ProblemError:
+    return ProblemError(
+        413, "decompressed_too_large", f"decompressed body exceeds {limit} bytes", limit=limit
+    )
+
+
+def _line_too_long(limit: int, line: int) -> ProblemError:
+    return ProblemError(
+        413, "line_too_long", f"line {line}: longer than {limit} bytes", limit=limit, line=line
+    )
+
+
+def _check_lines(chunk: bytes | bytearray, carried: int, limit: int, lines_before: int = 0) -> int:
+    """Length of the unterminated line at the end of `chunk` (`carried`: the open line's bytes before it);
+    raises when any line is longer than `limit`."""
+    first = chunk.find(b"\n")
+    if first < 0:
+        if carried + len(chunk) > limit:
+            raise _line_too_long(limit, lines_before + 1)
+        return carried + len(chunk)
+    if carried + first > limit:
+        raise _line_too_long(limit, lines_before + 1)
+    last = chunk.rfind(b"\n")
+    if last - first > limit:  # some complete line in between may be too long
+        for offset, line in enumerate(bytes(chunk[first + 1 : last]).split(b"\n"), start=2):
+            if len(line) > limit:
+                raise _line_too_long(limit, lines_before + offset)
+    if len(chunk) - last - 1 > limit:
+        raise _line_too_long(limit, lines_before + chunk.count(b"\n") + 1)
+    return len(chunk) - last - 1
+
+
+def gunzip_capped(data: bytes, limit: int, max_line: int | None = None) -> bytearray:
     out = bytearray()
     remaining = data
+    open_line = 0
+    lines = 0
+
+    def take(chunk: bytes) -> None:
+        nonlocal open_line, lines
+        out.extend(chunk)
+        if len(out) > limit:
+            raise _inflated_too_large(limit)
+        if max_line is not None and chunk:
+            open_line = _check_lines(chunk, open_line, max_line, lines)
+            lines += chunk.count(b"\n")
+
     try:
         while remaining:
             inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
@@ -72,11 +114,7 @@ def gunzip_capped(data: bytes, limit: int) -> bytes:
             while pending:
                 room = limit - len(out)
                 chunk = inflater.decompress(pending, min(_CHUNK, room + 1))
-                out += chunk
-                if len(out) > limit:
-                    raise ProblemError(
-                        413, "decompressed_too_large", f"decompressed body exceeds {limit} bytes", limit=limit
-                    )
+                take(chunk)
                 pending = inflater.unconsumed_tail
                 if inflater.eof:
                     break
@@ -87,17 +125,13 @@ def gunzip_capped(data: bytes, limit: int) -> bytes:
                 chunk = inflater.decompress(b"", min(_CHUNK, room + 1))
                 if not chunk:
                     break
-                out += chunk
-                if len(out) > limit:
-                    raise ProblemError(
-                        413, "decompressed_too_large", f"decompressed body exceeds {limit} bytes", limit=limit
-                    )
+                take(chunk)
             if not inflater.eof:
                 raise ProblemError(422, "invalid_gzip", "gzip stream is truncated")
             remaining = inflater.unused_data  # concatenated gzip members are one stream (RFC 1952)
     except zlib.error as exc:
         raise ProblemError(422, "invalid_gzip", f"gzip stream is corrupt: {exc}") from None
-    return bytes(out)
+    return out
 
 
 class BodyTooLarge(HTTPException):

@@ -1,4 +1,10 @@
-"""A small HTTP client for the CLI (standard library only: `maingrad upload` stays cheap to import)."""
+"""A small HTTP client for the CLI (standard library only: `maingrad upload` stays cheap to import).
+
+Every call runs under a deadline that bounds the whole exchange, retries included: a hung server makes
+`maingrad gate --wait 5` return after about 5 s, not after three 60 s timeouts. Only what another attempt can
+fix is retried: no answer, 429, 502, 503 and 504 (honouring Retry-After within the deadline). A 4xx is the
+caller's mistake and a 500 a server bug: neither is retried, and the server's reason is reported once.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+RETRYABLE = frozenset({429, 502, 503, 504})
+
 
 class ClientError(Exception):
     """A request that failed: `status` is the HTTP status (0: no answer); `problem` the RFC 9457 body."""
@@ -20,13 +28,47 @@ class ClientError(Exception):
         self.status = status
         self.problem = problem or {}
 
+    @property
+    def retryable(self) -> bool:
+        return self.status == 0 or self.status in RETRYABLE
+
+
+def check_url(url: str) -> str:
+    """The server URL, or ClientError(0) saying what is wrong with it (before any request)."""
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ClientError(0, f"bad URL {url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+    try:
+        _ = parts.port
+    except ValueError:
+        raise ClientError(0, f"bad URL {url!r}: the port is not a number from 0 to 65535") from None
+    return url.strip().rstrip("/")
+
+
+def _problem_message(status: int, problem: dict[str, Any], reason: str) -> str:
+    """`HTTP 422 invalid_sarif: /runs/0/results/3/level: must be one of [...]` (detail once, where first)."""
+    code = problem.get("code")
+    detail = problem.get("detail") or reason
+    where = ""
+    if problem.get("pointer") and str(problem["pointer"]) not in str(detail):
+        where = f" (at {problem['pointer']})"
+    elif problem.get("line") and f"line {problem['line']}" not in str(detail):
+        where = f" (line {problem['line']})"
+    return f"HTTP {status}{f' {code}' if code else ''}: {detail}{where}"
+
 
 @dataclass
 class Client:
     url: str
     token: str | None = None
-    timeout: float = 60.0
-    retries: int = 3
+    timeout: float = 30.0  # default deadline of one call, retries included
+    # How long "no answer" (refused, reset, timed out) is retried: long enough for a server that is starting
+    # (`maingrad serve &` then `maingrad upload`), short enough that a wrong URL is reported in seconds.
+    # `gate --wait` raises it to the wait: it polls through outages.
+    connect_grace: float = 10.0
+
+    def __post_init__(self) -> None:
+        self.url = check_url(self.url)
 
     def _request(
         self,
@@ -36,17 +78,33 @@ class Client:
         query: dict[str, Any] | None = None,
         body: bytes | None = None,
         headers: dict[str, str] | None = None,
+        deadline: float | None = None,
     ) -> tuple[int, Any]:
-        qs = urllib.parse.urlencode({k: v for k, v in (query or {}).items() if v is not None})
-        full = self.url.rstrip("/") + path + (f"?{qs}" if qs else "")
+        """One call; `deadline` (time.monotonic()) defaults to now + timeout and bounds every attempt."""
+        deadline = deadline if deadline is not None else time.monotonic() + self.timeout
+        qs = urllib.parse.urlencode(
+            [
+                (k, x)
+                for k, v in (query or {}).items()
+                if v is not None
+                for x in (v if isinstance(v, list) else [v])
+            ]
+        )
+        full = self.url + path + (f"?{qs}" if qs else "")
         hdrs = {"Accept": "application/json", "User-Agent": "maingrad-cli", **(headers or {})}
         if self.token:
             hdrs["Authorization"] = f"Bearer {self.token}"
-        last: Exception | None = None
-        for attempt in range(self.retries):
+        attempt = 0
+        give_up_unanswered = min(deadline, time.monotonic() + self.connect_grace)
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ClientError(0, f"no answer from {self.url} before the deadline")
             request = urllib.request.Request(full, data=body, method=method, headers=hdrs)
+            wait = min(0.25 * 2 ** (attempt - 1), 5.0)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with urllib.request.urlopen(request, timeout=max(remaining, 0.05)) as response:
                     return response.status, json.loads(response.read() or b"null")
             except urllib.error.HTTPError as exc:
                 raw = exc.read()
@@ -54,18 +112,24 @@ class Client:
                     problem = json.loads(raw)
                 except ValueError:
                     problem = {"detail": raw.decode("utf-8", "replace")[:500]}
-                if exc.code >= 500 and attempt < self.retries - 1:
-                    last = exc
-                    time.sleep(0.5 * 2**attempt)
-                    continue
-                detail = problem.get("detail") if isinstance(problem, dict) else None
-                raise ClientError(exc.code, f"HTTP {exc.code}: {detail or exc.reason}", problem) from None
-            except (urllib.error.URLError, OSError) as exc:
-                last = exc
-                if attempt < self.retries - 1:
-                    time.sleep(0.5 * 2**attempt)
-                    continue
-        raise ClientError(0, f"no answer from {self.url}: {last}")
+                if not isinstance(problem, dict):
+                    problem = {"detail": str(problem)[:500]}
+                error = ClientError(exc.code, _problem_message(exc.code, problem, str(exc.reason)), problem)
+                if not error.retryable:
+                    raise error from None
+                retry_after = exc.headers.get("Retry-After") if exc.headers else None
+                if retry_after and retry_after.isdigit():
+                    wait = float(retry_after)
+            except (TimeoutError, urllib.error.URLError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                error = ClientError(0, f"no answer from {self.url}: {reason}")
+            except ValueError as exc:  # a 2xx whose body is not JSON: not the maingrad service
+                raise ClientError(
+                    0, f"{self.url} did not answer JSON (is it a maingrad server?): {exc}"
+                ) from None
+            if time.monotonic() + wait >= (deadline if error.status else give_up_unanswered):
+                raise error
+            time.sleep(wait)
 
     def upload(
         self,
@@ -76,6 +140,7 @@ class Client:
         branch: str | None,
         category: str | None,
         idempotency_key: str | None = None,
+        deadline: float | None = None,
     ) -> tuple[int, dict[str, Any]]:
         headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
         if idempotency_key:
@@ -86,20 +151,36 @@ class Client:
             query={"commit_sha": commit_sha, "branch": branch, "category": category},
             body=gzip.compress(report, compresslevel=6),
             headers=headers,
+            deadline=deadline,
         )
 
-    def gate(self, project: str, commit_sha: str, base_sha: str | None = None) -> dict[str, Any]:
+    def gate(
+        self,
+        project: str,
+        commit_sha: str,
+        base_sha: str | None = None,
+        require: list[str] | None = None,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
         _, body = self._request(
             "GET",
             f"/api/v1/projects/{urllib.parse.quote(project, safe='')}/gate",
-            query={"commit_sha": commit_sha, "base_sha": base_sha},
+            query={"commit_sha": commit_sha, "base_sha": base_sha, "require": require},
+            deadline=deadline,
         )
         return body
+
+    def projects(self, deadline: float | None = None) -> list[str]:
+        """Names of the projects this token sees (a project token sees exactly its own)."""
+        _, body = self._request("GET", "/api/v1/projects", query={"limit": 2}, deadline=deadline)
+        return [p["name"] for p in body.get("items", [])]
 
     def create_token(
         self, project: str, scopes: list[str], name: str, expires_in_days: int | None
     ) -> dict[str, Any]:
-        payload = {"name": name, "scopes": scopes, "expires_in_days": expires_in_days}
+        payload: dict[str, Any] = {"name": name, "scopes": scopes}
+        if expires_in_days is not None:
+            payload["expires_in_days"] = expires_in_days
         _, body = self._request(
             "POST",
             f"/api/v1/projects/{urllib.parse.quote(project, safe='')}/tokens",

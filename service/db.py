@@ -43,9 +43,11 @@ def make_engine(settings: Settings, background_checkpoints: bool = False) -> Eng
         return engine
     return create_engine(
         url,
+        # An unreachable server fails the request fast (503) instead of hanging it.
+        connect_args={"connect_timeout": settings.db_connect_timeout_s},
         pool_size=settings.db_pool_size,
         max_overflow=30,
-        pool_timeout=60,
+        pool_timeout=10,
         # A liveness ping costs a round trip per checkout; stale connections are recycled instead, and a
         # connection found dead is invalidated (with the rest of the pool) on first use.
         pool_pre_ping=settings.db_pool_pre_ping,

@@ -1,6 +1,8 @@
 """The CI gate, recomputed on every read from what is stored (nothing cached can go stale).
 
-Status: `pending` while nothing for the commit (or its explicit baseline) has arrived; `error` when an
+Status: `pending` while evidence the commit needs is missing (the project's `required_evidence`, or the
+call's `require`: analysis categories and/or `runtime` records), or nothing for the commit (or its explicit
+baseline) has arrived; `error` when an
 uploaded tool run says it failed; `fail` when a condition fails (new findings at or above the policy
 severity that nobody dismissed, or runtime anomalies recorded for the commit); `neutral` when there is
 nothing to judge (only runtime records without anomalies, or analyses that scanned no file); else `pass`.
@@ -232,11 +234,32 @@ def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict
     }
 
 
+RUNTIME = "runtime"  # the evidence name of runtime records; every other name is an analysis category
+
+
+def evidence(
+    required: list[str] | tuple[str, ...], head: list[Any], runtime: dict[str, Any]
+) -> dict[str, list[str]]:
+    """Which required pieces of evidence the commit has, and which are still missing."""
+    present = sorted({a.category for a in head} | ({RUNTIME} if runtime["records"] > 0 else set()))
+    wanted = sorted(set(required))
+    return {"required": wanted, "present": present, "missing": [e for e in wanted if e not in present]}
+
+
 def compute_gate(
-    session: Session, settings: Settings, project: Project, commit_sha: str, base_sha: str | None = None
+    session: Session,
+    settings: Settings,
+    project: Project,
+    commit_sha: str,
+    base_sha: str | None = None,
+    require: list[str] | tuple[str, ...] | None = None,
 ) -> GateResult:
+    """The gate. `require` (else the project's `required_evidence`) names the evidence the commit needs
+    before anything is decided: while some is missing the status is `pending`, whatever has arrived."""
     head, baseline, base = head_and_baseline(session, project, commit_sha, base_sha)
     runtime = runtime_summary(session, project, commit_sha)
+    required = list(require) if require is not None else list(project.required_evidence or [])
+    proof = evidence(required, head, runtime)
     policy = {
         "fail_on_severity": settings.gate_fail_severity,
         "fail_on_runtime_anomalies": settings.gate_fail_on_runtime_anomalies,
@@ -304,7 +327,7 @@ def compute_gate(
         }
     )
 
-    status, reason = _status(head, base_sha, base_all, runtime, conditions, failed_tools)
+    status, reason = _status(head, base_sha, base_all, runtime, conditions, failed_tools, proof["missing"])
     limit = settings.max_gate_findings
     unchanged_sorted = sorted(matching.unchanged, key=lambda t: _sort_key(t[0]))
     fixed_sorted = sorted(matching.fixed, key=_sort_key)
@@ -336,6 +359,7 @@ def compute_gate(
         "fixed": [finding_out(i.ref, i.category) for i in fixed_sorted[:limit]],
         "truncated": max(len(matching.new), len(matching.unchanged), len(matching.fixed)) > limit,
         "runtime": runtime,
+        "evidence": proof,
     }
     return GateResult(body=body, head_ids=[a.id for a in head], new_rows=[i.ref for i in new_sorted])
 
@@ -347,7 +371,12 @@ def _status(
     runtime: dict[str, Any],
     conditions: list[dict[str, Any]],
     failed_tools: list[Any],
+    missing: list[str],
 ) -> tuple[str, str | None]:
+    if missing:
+        return "pending", "waiting for: " + ", ".join(
+            "runtime records" if m == RUNTIME else f"analysis {m!r}" for m in missing
+        )
     if not head and not runtime["runs"]:
         return "pending", "no analysis or runtime records for this commit yet"
     if base_sha and head and not base:

@@ -22,12 +22,18 @@ _RUNS_VERSION = select(func.count(), func.coalesce(func.sum(Run.record_count), 0
     Run.project_id == bindparam("p"), Run.commit_sha == bindparam("c")
 )
 
-Key = tuple[int, str, str | None]
+Key = tuple[Any, ...]  # (project id, commit, base, required evidence)
 
 
 def version(session: Session, project: Project, commit_sha: str) -> tuple[Any, ...]:
     runs, records = session.connection().execute(_RUNS_VERSION, {"p": project.id, "c": commit_sha}).one()
-    return (project.revision, project.default_branch, int(runs), int(records))
+    return (
+        project.revision,
+        project.default_branch,
+        tuple(project.required_evidence or ()),
+        int(runs),
+        int(records),
+    )
 
 
 class GateCache:

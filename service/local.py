@@ -74,7 +74,11 @@ def upload(
 
 
 def gate(
-    settings: Settings, project: str, commit_sha: str, base_sha: str | None = None
+    settings: Settings,
+    project: str,
+    commit_sha: str,
+    base_sha: str | None = None,
+    require: list[str] | None = None,
 ) -> dict[str, Any] | None:
     """The gate's body, or None when the project does not exist."""
     with open_database(settings) as db:
@@ -82,7 +86,7 @@ def gate(
         if proj is None:
             return None
         with db.reading() as session:
-            return compute_gate(session, settings, proj, commit_sha, base_sha).body
+            return compute_gate(session, settings, proj, commit_sha, base_sha, require).body
 
 
 def create_token(
@@ -94,6 +98,10 @@ def create_token(
     default_branch: str = "main",
 ) -> tuple[Token, str]:
     """Mint a token (project None: an instance admin token); creates the project when missing."""
+    if expires_in_days is not None and not 1 <= expires_in_days <= 3650:
+        raise ValueError(
+            f"expires_in_days must be from 1 to 3650 (got {expires_in_days}): no token is born expired"
+        )
     with open_database(settings) as db:
         proj = ensure_project(db, project, default_branch) if project else None
         expires = utcnow() + dt.timedelta(days=expires_in_days) if expires_in_days else None

@@ -77,6 +77,8 @@ class Project(Base):
     # Bumped by every change the gate depends on (uploads, triage, settings): gate answers are reused
     # only while it (and the commit's runs) stay the same.
     revision: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    # Evidence every commit needs before its gate decides ("runtime", or an analysis category); see gate.py.
+    required_evidence: Mapped[list[str]] = mapped_column(JSON, default=list, server_default=text("'[]'"))
 
 
 class Token(Base):

@@ -7,13 +7,16 @@ are required, everything else is kept as received so it goes back out unchanged.
 from __future__ import annotations
 
 import hashlib
-import json
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from maingrad.contracts.report import Report, Severity, normalize_context
+from maingrad.contracts.report import REPORT_VERSION, Report, Severity, normalize_context
+from maingrad.service import fastjson
+from maingrad.service.bodyschema import BodyLimits, maingrad_report_schema, sarif_schema
+from maingrad.service.jsonvalidate import BodyInvalid, validate
 from maingrad.service.problems import ProblemError
 
 LEVEL_RANK = {"none": 0, "note": 0, "warning": 1, "error": 2}
@@ -58,25 +61,77 @@ class NormAnalysis:
 
 @dataclass(frozen=True)
 class Limits:
+    """What one upload may cost: counts, field sizes (bodyschema.BodyLimits), the number of JSON values
+    parsed, and the characters of message and snippet text stored (after SARIF template expansion)."""
+
     max_runs: int
     max_results_per_run: int
+    max_json_values: int = 2_000_000
+    max_analysis_text_chars: int = 32 * 1024 * 1024
+    body: BodyLimits | None = None
+
+    @property
+    def fields(self) -> BodyLimits:
+        return self.body or BodyLimits(max_runs=self.max_runs, max_results_per_run=self.max_results_per_run)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Limits:
+        return cls(
+            max_runs=settings.max_runs,
+            max_results_per_run=settings.max_results_per_run,
+            max_json_values=settings.max_json_values,
+            max_analysis_text_chars=settings.max_analysis_text_chars,
+            body=BodyLimits.from_settings(settings),
+        )
 
 
-def _invalid(code: str, detail: str) -> ProblemError:
-    return ProblemError(422, code, detail)
+def _invalid(code: str, detail: str, **extra: Any) -> ProblemError:
+    return ProblemError(422, code, detail, **extra)
 
 
-def load_json(data: bytes) -> Any:
+# A JSON string token (escapes included); used to blank strings out before counting structural characters.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def count_json_values(data: bytes | bytearray, limit: int) -> int:
+    """An upper bound on the number of values in a JSON text, at C speed, without building any of them.
+
+    Every value but the first is preceded by a `,` or opens a `[`/`{`, so commas plus brackets plus one
+    bounds the values (object keys are not counted; their memory is bounded by the body's size). Commas and
+    brackets inside strings only make the bound looser; when the loose count passes the limit, strings are
+    blanked out and the structural characters counted again, empty containers once."""
+    loose = data.count(b",") + data.count(b"[") + data.count(b"{") + 1
+    if loose <= limit:
+        return loose
+    blanked = _JSON_STRING.sub(b'""', data)
+    # Outside strings, an empty `{}` / `[]` is one value that the comma before it already counted.
+    containers = blanked.count(b"[") + blanked.count(b"{") - blanked.count(b"[]") - blanked.count(b"{}")
+    return blanked.count(b",") + containers + 1
+
+
+def load_json(data: bytes | bytearray, max_values: int | None = None) -> Any:
+    """Parse a report body: UTF-8 (a BOM is tolerated), RFC 8259 numbers only (NaN, Infinity and numbers
+    that overflow a double are refused, as are integers past 64 bits, which arrive as doubles and fail the
+    schema's integer type), and at most `max_values` values, counted before anything is built."""
+    if data[:3] == b"\xef\xbb\xbf":
+        data = data[3:]
+    if max_values is not None:
+        values = count_json_values(data, max_values)
+        if values > max_values:
+            raise ProblemError(
+                413,
+                "too_many_json_values",
+                f"the body holds more than {max_values} JSON values",
+                limit=max_values,
+            )
     try:
-        text = data.decode("utf-8-sig")  # SARIF and our reports are UTF-8 (a BOM is tolerated)
+        return fastjson.loads_strict(data)
     except UnicodeDecodeError as exc:
         raise _invalid("invalid_encoding", f"body is not UTF-8: {exc}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _invalid(
-            "invalid_json", f"body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
+    except fastjson.DecodeError as exc:
+        if "utf-8" in str(exc).lower() or "surrogate" in str(exc).lower():
+            raise _invalid("invalid_encoding", f"body is not UTF-8: {exc}") from None
+        raise _invalid("invalid_json", f"body is not JSON: {exc}") from None
     except RecursionError:
         raise _invalid("invalid_json", "JSON nested too deeply") from None
 
@@ -92,22 +147,86 @@ def without_nul(value: Any) -> Any:
 
 
 def detect_format(doc: Any) -> str:
+    """`version` decides, exactly as the published schemas do (maingrad: 1, SARIF: "2.1.0"); anything else
+    is refused with the code of the format it resembles most."""
     if not isinstance(doc, dict):
-        raise _invalid("unknown_format", "report must be a JSON object (maingrad report or SARIF 2.1.0 log)")
-    if "runs" in doc or "sarif" in str(doc.get("$schema", "")).lower() or doc.get("version") == "2.1.0":
+        raise _invalid(
+            "unknown_format", "report must be a JSON object (maingrad report or SARIF 2.1.0 log)", pointer=""
+        )
+    version = doc.get("version")
+    if version == REPORT_VERSION and type(version) is int:
+        return "maingrad"
+    if version == "2.1.0":
         return "sarif"
     tool = doc.get("tool")
-    if isinstance(tool, dict) and tool.get("name") == "maingrad":
-        return "maingrad"
-    raise _invalid("unknown_format", "not a maingrad report (tool.name == 'maingrad') nor a SARIF log (runs)")
+    if "runs" in doc or isinstance(version, str) or "sarif" in str(doc.get("$schema", "")).lower():
+        raise _invalid(
+            "invalid_sarif",
+            f"unsupported SARIF version {version!r} (expected '2.1.0')",
+            pointer="/version",
+        )
+    if (isinstance(tool, dict) and tool.get("name") == "maingrad") or type(version) is int:
+        raise _invalid(
+            "invalid_report",
+            f"unsupported maingrad report version {version!r} (expected {REPORT_VERSION})",
+            pointer="/version",
+        )
+    raise _invalid(
+        "unknown_format",
+        "not a maingrad report (version 1, tool.name 'maingrad') nor a SARIF 2.1.0 log (version '2.1.0', runs)",
+        pointer="",
+    )
 
 
-def parse_report(data: bytes, limits: Limits) -> NormAnalysis:
-    doc = load_json(data)
+def _check(doc: Any, schema: dict[str, Any], code: str) -> None:
+    try:
+        validate(doc, schema)
+    except BodyInvalid as exc:
+        raise _invalid(code, f"{exc.pointer or '/'}: {exc.message}", pointer=exc.pointer) from None
+
+
+def parse_report(data: bytes | bytearray, limits: Limits) -> NormAnalysis:
+    # Cheap bounds first: the counts that the schema caps are checked before the schema walks the document,
+    # so a report with a million results is refused without validating a single one.
+    doc = load_json(data, limits.max_json_values)
     if b"\\u0000" in data:  # escaped NUL: PostgreSQL text cannot hold it
         doc = without_nul(doc)
     kind = detect_format(doc)
-    return parse_sarif(doc, limits) if kind == "sarif" else parse_maingrad(doc, limits)
+    fields = limits.fields
+    if kind == "sarif":
+        _check_counts_sarif(doc, limits)
+        _check(doc, sarif_schema(fields), "invalid_sarif")
+        return parse_sarif(doc, limits)
+    findings = doc.get("findings")
+    if isinstance(findings, list) and len(findings) > limits.max_results_per_run:
+        raise _too_many_results(
+            f"{len(findings)} findings exceed {limits.max_results_per_run} per run", limits
+        )
+    _check(doc, maingrad_report_schema(fields), "invalid_report")
+    return parse_maingrad(doc, limits)
+
+
+def _too_many_results(detail: str, limits: Limits) -> ProblemError:
+    return ProblemError(413, "too_many_results", detail, limit=limits.max_results_per_run)
+
+
+def _check_counts_sarif(doc: dict[str, Any], limits: Limits) -> None:
+    runs = doc.get("runs")
+    if not isinstance(runs, list):
+        return
+    if len(runs) > limits.max_runs:
+        raise ProblemError(
+            413,
+            "too_many_runs",
+            f"{len(runs)} runs exceed the limit of {limits.max_runs}",
+            limit=limits.max_runs,
+        )
+    for i, run in enumerate(runs):
+        results = run.get("results") if isinstance(run, dict) else None
+        if isinstance(results, list) and len(results) > limits.max_results_per_run:
+            raise _too_many_results(
+                f"runs[{i}] has {len(results)} results; the limit is {limits.max_results_per_run}", limits
+            )
 
 
 def context_hash(snippet: str) -> str | None:
@@ -119,7 +238,10 @@ def normalize_path(uri: str, bases: dict[str, str] | None = None) -> str:
     """Repo-relative POSIX path from a SARIF URI or a report path (never an absolute prefix if avoidable)."""
     text = uri.strip()
     if text.startswith("file:"):
-        text = urlsplit(text).path
+        try:
+            text = urlsplit(text).path
+        except ValueError:  # e.g. "file://[x/a.py": an unbalanced IPv6 host; keep what follows the scheme
+            text = text[len("file:") :].lstrip("/")
     text = unquote(text).replace("\\", "/")
     for base in (bases or {}).values():
         if base and text.startswith(base):
@@ -177,6 +299,9 @@ def parse_maingrad(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
         "invocations": [{"executionSuccessful": True, "toolExecutionNotifications": notifications}],
     }
     findings = []
+    stored_chars = sum(len(f.message) + len(f.snippet) for f in report.findings)
+    if stored_chars > limits.max_analysis_text_chars:
+        raise _text_budget(limits)
     for f in report.findings:
         path = normalize_path(f.path)
         level = SEVERITY_LEVEL[f.severity]
@@ -251,18 +376,38 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _text(message: Any, rule: dict[str, Any] | None) -> str:
-    if isinstance(message, dict):
-        if isinstance(message.get("text"), str):
-            return message["text"]
-        if isinstance(message.get("id"), str) and rule:
-            template = (rule.get("messageStrings") or {}).get(message["id"], {})
-            if isinstance(template, dict) and isinstance(template.get("text"), str):
-                text = template["text"]
-                for i, arg in enumerate(message.get("arguments") or []):
-                    text = text.replace("{" + str(i) + "}", str(arg))
-                return text
-    return ""
+def _text(message: Any, rule: dict[str, Any] | None, max_chars: int, where: str) -> str:
+    """A result's message: its text, or its rule's `messageStrings` template with the arguments filled in.
+
+    The expansion is sized before it is built (placeholder count x argument length): a 100 KB template with
+    `{0}` repeated, expanded for every result, was how a 13 KiB upload stored 195 MB of messages."""
+    if not isinstance(message, dict):
+        return ""
+    if isinstance(message.get("text"), str):
+        return message["text"]
+    if not (isinstance(message.get("id"), str) and rule):
+        return ""
+    strings = rule.get("messageStrings")
+    template = strings.get(message["id"]) if isinstance(strings, dict) else None
+    if not (isinstance(template, dict) and isinstance(template.get("text"), str)):
+        return ""
+    text = template["text"]
+    args = message.get("arguments") if isinstance(message.get("arguments"), list) else []
+    for i, arg in enumerate(args):
+        placeholder = "{" + str(i) + "}"
+        count = text.count(placeholder)
+        if not count:
+            continue
+        value = str(arg)
+        if len(text) + count * (len(value) - len(placeholder)) > max_chars:
+            raise _invalid(
+                "message_too_long",
+                f"{where}/message: the expanded message exceeds {max_chars} characters",
+                pointer=f"{where}/message",
+                limit=max_chars,
+            )
+        text = text.replace(placeholder, value)
+    return text
 
 
 def parse_sarif(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
@@ -283,6 +428,7 @@ def parse_sarif(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
     metas: list[dict[str, Any]] = []
     tool_name = tool_version = ""
     execution_ok = True
+    stored_chars = 0
     for run_index, raw_run in enumerate(runs):
         run = _obj(raw_run, f"runs[{run_index}]")
         results = _list(run.get("results"), f"runs[{run_index}].results")
@@ -316,11 +462,14 @@ def parse_sarif(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
         )
         for result_index, raw in enumerate(results):
             finding = _sarif_result(
-                raw, f"runs[{run_index}].results[{result_index}]", rules, rules_by_id, bases
+                raw, f"/runs/{run_index}/results/{result_index}", rules, rules_by_id, bases, limits
             )
             if finding is not None:
                 finding.run_index = run_index
                 findings.append(finding)
+                stored_chars += len(finding.message) + len(finding.snippet)
+                if stored_chars > limits.max_analysis_text_chars:
+                    raise _text_budget(limits)
         metas.append({k: v for k, v in run.items() if k != "results"})
     return NormAnalysis(
         format="sarif",
@@ -339,6 +488,7 @@ def _sarif_result(
     rules: list[dict[str, Any]],
     rules_by_id: dict[str, dict[str, Any]],
     bases: dict[str, str],
+    limits: Limits,
 ) -> NormFinding | None:
     result = _obj(raw, where)
     if result.get("kind") in ("pass", "notApplicable"):
@@ -358,7 +508,7 @@ def _sarif_result(
     rule = rule or rules_by_id.get(rule_id) or rules_by_id.get(rule_id.split("/")[0])
     if not isinstance(result.get("message"), dict):
         raise _invalid("invalid_sarif", f"{where}.message must be an object")
-    message = _text(result["message"], rule)
+    message = _text(result["message"], rule, limits.fields.max_message_chars, where)
     level = result.get("level")
     if level not in LEVEL_RANK:
         default = (rule or {}).get("defaultConfiguration") or {}
@@ -398,6 +548,15 @@ def _sarif_result(
         material=_material(result, ctx, message),
         context_hash=ctx,
         sarif=result,
+    )
+
+
+def _text_budget(limits: Limits) -> ProblemError:
+    return ProblemError(
+        413,
+        "analysis_too_large",
+        f"the analysis would store more than {limits.max_analysis_text_chars} characters of messages and snippets",
+        limit=limits.max_analysis_text_chars,
     )
 
 

@@ -83,6 +83,21 @@ _STATUS_CODES = {
 }
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the application fully matches at this path (included routers too)."""
+    from starlette.routing import Match
+
+    allowed = []
+    for method in _METHODS:
+        scope = {**request.scope, "type": "http", "method": method}
+        if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return allowed
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError) -> JSONResponse:
@@ -117,6 +132,17 @@ def install(app: FastAPI) -> None:
                 422, "invalid_body", "the request body is not valid UTF-8 JSON", instance=request.url.path
             )
         code = _STATUS_CODES.get(exc.status_code, "http_error")
+        if exc.status_code == 405:
+            # Starlette's Allow names the methods of the first route whose path matched; RFC 9110 wants
+            # every method the resource supports (routes of one path are often split by method).
+            allow = ", ".join(allowed_methods(request))
+            return problem_response(
+                405,
+                code,
+                f"{request.method} is not allowed here (allowed: {allow})",
+                instance=request.url.path,
+                headers={"Allow": allow},
+            )
         if exc.status_code == 413:
             code = "body_too_large"
             limit = getattr(exc, "limit", None)
@@ -124,6 +150,37 @@ def install(app: FastAPI) -> None:
             return problem_response(413, code, str(exc.detail), instance=request.url.path, **extra)
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return problem_response(exc.status_code, code, detail, instance=request.url.path, headers=exc.headers)
+
+    from sqlalchemy import exc as sa_exc
+
+    retry_after = str(getattr(getattr(app.state, "settings", None), "retry_after_s", 2))
+
+    async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+        return problem_response(
+            503,
+            "database_unavailable",
+            "the database is unavailable; retry later",
+            instance=request.url.path,
+            headers={"Retry-After": retry_after},
+        )
+
+    # A database that cannot be reached, drops the connection, or has no free connection for seconds is an
+    # outage, not a server bug: 503 with Retry-After, so clients (and `maingrad gate --wait`) come back.
+    for kind in (
+        sa_exc.OperationalError,
+        sa_exc.InterfaceError,
+        sa_exc.DisconnectionError,
+        sa_exc.TimeoutError,
+    ):
+        app.add_exception_handler(kind, _unavailable)
+    try:  # raw-cursor paths (COPY) raise the driver's own errors
+        import psycopg
+
+        app.add_exception_handler(psycopg.OperationalError, _unavailable)
+        app.add_exception_handler(psycopg.InterfaceError, _unavailable)
+    except ImportError:  # pragma: no cover - the service extra has psycopg
+        pass
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

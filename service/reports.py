@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select, text, update
 from sqlalchemy.orm import Session
 
 from maingrad.service.config import Settings
@@ -59,25 +59,27 @@ def store_report(
     commit_sha: str,
     branch: str | None,
     category: str | None,
-    body: bytes,
+    body: bytes | bytearray,
     idempotency_key: str | None = None,
 ) -> UploadOutcome:
     content_sha = hashlib.sha256(body).hexdigest()
-    request_sha = hashlib.sha256(
-        b"\0".join([body, commit_sha.encode(), (branch or "").encode(), (category or "").encode()])
-    ).hexdigest()
+    digest = hashlib.sha256(body)  # the body, NUL, commit, NUL, branch, NUL, category (no copy of the body)
+    for part in (commit_sha, branch or "", category or ""):
+        digest.update(b"\0" + part.encode())
+    request_sha = digest.hexdigest()
     ttl = dt.timedelta(hours=settings.idempotency_ttl_hours)
     if idempotency_key:
         replay = _replay(db, project.id, idempotency_key, request_sha, ttl)
         if replay is not None:
             return replay
-    norm = parse_report(body, Limits(settings.max_runs, settings.max_results_per_run))
+    norm = parse_report(body, Limits.from_settings(settings))
     cat = (category or norm.tool_name or norm.format)[:200]
     assign_fingerprints(norm.findings, cat)
 
     def attempt() -> UploadOutcome:
         with db.writing() as session:
             if idempotency_key:
+                lock_key(session, "idempotency", project.id, idempotency_key)
                 replay = _replay_in(session, project.id, idempotency_key, request_sha, ttl)
                 if replay is not None:
                     return replay
@@ -102,6 +104,21 @@ def store_report(
             return outcome
 
     return with_retries(attempt)
+
+
+def lock_key(session: Session, *parts: Any) -> None:
+    """PostgreSQL: serialize writers of one key for the rest of the transaction (an advisory lock).
+
+    Two uploads for one (project, commit, category) both found no analysis, both inserted, and the loser hit
+    the unique key; with eight concurrent writers, retries ran out and a fifth of the answers were 500. Under
+    the lock the second writer waits, then (READ COMMITTED) sees the first one's analysis and replaces it.
+    SQLite needs nothing: its writers are serialized already (BEGIN IMMEDIATE)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    digest = hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=8).digest()
+    session.execute(
+        text("SELECT pg_advisory_xact_lock(:k)"), {"k": int.from_bytes(digest, "big", signed=True)}
+    )
 
 
 def _replay(
@@ -135,6 +152,7 @@ def _store(
     content_sha: str,
     norm: NormAnalysis,
 ) -> UploadOutcome:
+    lock_key(session, "analysis", project.id, commit_sha, category)
     existing = session.execute(
         select(Analysis).where(
             Analysis.project_id == project.id,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 T = TypeVar("T")
 
 PROJECT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+EVIDENCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}$"  # a category name (<= 200 characters) or "runtime"
 NO_NUL = r"^[^\x00]*$"  # PostgreSQL text cannot store NUL
 Scope = Literal["upload", "read", "triage", "admin"]
 GateStatus = Literal["pass", "fail", "neutral", "pending", "error"]
@@ -27,7 +28,11 @@ class Problem(BaseModel):
     instance: str | None = None
     errors: list[dict[str, Any]] | None = None
     limit: int | None = None
-    line: int | None = None
+    line: int | None = Field(None, description="NDJSON bodies: the 1-based line at fault.")
+    pointer: str | None = Field(
+        None, description="JSON pointer (RFC 6901) of the value at fault in the body."
+    )
+    required_scope: str | None = None
 
 
 class Page(BaseModel, Generic[T]):
@@ -40,36 +45,62 @@ class Page(BaseModel, Generic[T]):
 # --- projects and tokens -------------------------------------------------------------------------------
 
 
+EvidenceName = Annotated[
+    str,
+    Field(
+        pattern=EVIDENCE_NAME,
+        description="`runtime` (runtime records for the commit) or an analysis category (e.g. `maingrad`).",
+    ),
+]
+RequiredEvidence = Annotated[
+    list[EvidenceName],
+    Field(
+        max_length=20,
+        description="Evidence every commit needs before its gate decides; while some is missing the gate "
+        "is `pending`.",
+    ),
+]
+
+
 class ProjectCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=PROJECT_NAME, examples=["megatron-lm"])
     default_branch: str = Field("main", min_length=1, max_length=255, pattern=NO_NUL)
+    required_evidence: RequiredEvidence = Field(default_factory=list)
 
 
 class ProjectUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    default_branch: str = Field(min_length=1, max_length=255, pattern=NO_NUL)
+    default_branch: str | None = Field(None, min_length=1, max_length=255, pattern=NO_NUL)
+    required_evidence: RequiredEvidence | None = None
 
 
 class ProjectOut(BaseModel):
     name: str
     default_branch: str
+    required_evidence: list[str]
     created_at: dt.datetime
 
 
 class TokenCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # At most one of the two expiry fields (null counts as given): the schema says it with `not`.
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"not": {"required": ["expires_at", "expires_in_days"]}}
+    )
     name: str = Field("", max_length=200, pattern=NO_NUL)
     scopes: list[Scope] = Field(min_length=1)
-    expires_at: dt.datetime | None = None
+    expires_at: dt.datetime | None = Field(None, description="Must be in the future.")
     expires_in_days: int | None = Field(None, ge=1, le=3650)
 
     @model_validator(mode="after")
     def _one_expiry(self) -> TokenCreate:
-        if self.expires_at is not None and self.expires_in_days is not None:
+        if {"expires_at", "expires_in_days"} <= self.model_fields_set:
             raise ValueError("give expires_at or expires_in_days, not both")
-        if self.expires_at is not None and self.expires_at.tzinfo is None:
-            self.expires_at = self.expires_at.replace(tzinfo=dt.timezone.utc)
+        if self.expires_at is not None:
+            if self.expires_at.tzinfo is None:
+                self.expires_at = self.expires_at.replace(tzinfo=dt.timezone.utc)
+            if self.expires_at <= dt.datetime.now(dt.timezone.utc):
+                raise ValueError("expires_at is in the past: the token would be expired already")
         return self
 
 
@@ -199,6 +230,14 @@ class GateRuntime(BaseModel):
     samples: list[AnomalySample]
 
 
+class GateEvidence(BaseModel):
+    required: list[str]
+    present: list[str]
+    missing: list[str] = Field(
+        description="Required evidence not there yet: the gate is `pending` meanwhile."
+    )
+
+
 class GateOut(BaseModel):
     project: str
     commit_sha: str
@@ -214,6 +253,7 @@ class GateOut(BaseModel):
     fixed: list[GateFinding]
     truncated: bool = Field(description="True when a findings list was cut at the server's limit.")
     runtime: GateRuntime
+    evidence: GateEvidence
 
 
 # --- runtime records -----------------------------------------------------------------------------------
@@ -313,19 +353,25 @@ class AlertDetail(AlertOut):
     events: list[AlertEventOut]
 
 
-class AlertUpdate(BaseModel):
+class AlertDismiss(BaseModel):
+    """Dismiss an alert: a reason is required."""
+
     model_config = ConfigDict(extra="forbid")
-    state: Literal["open", "dismissed"]
-    reason: DismissReason | None = None
+    state: Literal["dismissed"]
+    reason: DismissReason
     comment: str | None = Field(None, max_length=2000, pattern=NO_NUL)
 
-    @model_validator(mode="after")
-    def _reason_when_dismissed(self) -> AlertUpdate:
-        if self.state == "dismissed" and self.reason is None:
-            raise ValueError("dismissing an alert needs a reason")
-        if self.state == "open" and self.reason is not None:
-            raise ValueError("a reason applies only to dismissed alerts")
-        return self
+
+class AlertReopen(BaseModel):
+    """Reopen a dismissed alert (no reason: reasons belong to dismissals)."""
+
+    model_config = ConfigDict(extra="forbid")
+    state: Literal["open"]
+    comment: str | None = Field(None, max_length=2000, pattern=NO_NUL)
+
+
+# The state decides which shape applies, so every rule is in the published schema (no cross-field 422).
+AlertUpdate = Annotated[AlertDismiss | AlertReopen, Field(discriminator="state")]
 
 
 # --- health --------------------------------------------------------------------------------------------

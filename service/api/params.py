@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import Path, Query
 
 from maingrad.service.identifiers import COMMIT_PATTERN
+from maingrad.service.pagination import ID_CURSOR_PATTERN, KEY_CURSOR_PATTERN
 
 SHA = COMMIT_PATTERN
 
@@ -19,6 +20,19 @@ CommitQuery = Annotated[
     ),
 ]
 OptionalCommitQuery = Annotated[str | None, Query(pattern=SHA, description="Commit SHA (or revision id).")]
-CursorQuery = Annotated[str | None, Query(max_length=200, description="Opaque cursor from `next_cursor`.")]
+CursorQuery = Annotated[
+    str | None, Query(pattern=ID_CURSOR_PATTERN, description="Opaque cursor from `next_cursor`.")
+]
+KeyCursorQuery = Annotated[
+    str | None, Query(pattern=KEY_CURSOR_PATTERN, description="Opaque cursor from `next_cursor`.")
+]
 LimitQuery = Annotated[int, Query(ge=1, le=500, description="Page size.")]
 IdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
+RequireQuery = Annotated[
+    list[Annotated[str, Query(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}$")]] | None,
+    Query(
+        max_length=20,
+        description="Evidence the commit needs before the gate decides (repeatable): `runtime` or an analysis "
+        "category. Default: the project's `required_evidence`.",
+    ),
+]

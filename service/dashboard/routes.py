@@ -56,6 +56,10 @@ def _viewer(request: Request, session: Session) -> auth.Principal:
         principal = auth.authenticate(session, settings, token)
     except ProblemError:
         raise LoginRequired from None
+    if "read" not in principal.scopes:
+        # Every page shows project data (the home page shows each project's latest verdict): an upload-only
+        # token set as the cookie by hand sees none of it, like the API.
+        raise PageError(403, "this token cannot read: sign in with a token that has the read scope")
     return principal
 
 

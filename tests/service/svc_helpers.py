@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -197,6 +198,8 @@ class Server:
                 "--no-access-log",
                 "--log-level",
                 "warning",
+                "--workers",  # one process unless a test asks for more (metrics are per process)
+                "1",
                 *self.args,
             ],
             cwd=self.workdir,
@@ -236,3 +239,73 @@ class Server:
 
 def admin_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {ADMIN}"}
+
+
+class TcpProxy:
+    """A loopback TCP forwarder to simulate a database outage without touching the shared server: `stop()`
+    closes the listener and cuts every connection (the database becomes unreachable), `start()` brings it
+    back on the same port."""
+
+    def __init__(self, target_host: str, target_port: int, port: int = 0) -> None:
+        import threading
+
+        self.target = (target_host, target_port)
+        self.port = port or free_port()
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+
+    def start(self) -> TcpProxy:
+        import threading
+
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def _accept(self, listener: socket.socket) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            # shutdown() wakes the thread blocked in accept() (close() alone leaves the port listening).
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()

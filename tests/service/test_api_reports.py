@@ -229,7 +229,8 @@ def test_commits_listing_and_pagination(project: ProjectCtx) -> None:
     bad = project.client.get(
         project.url("/commits"), params={"cursor": "!!!"}, headers=project.headers("read")
     )
-    assert bad.status_code == 422 and bad.json()["code"] == "invalid_cursor"
+    # The cursor's shape is part of the published schema: a malformed one fails query validation.
+    assert bad.status_code == 422 and "cursor" in bad.json()["detail"]
 
 
 def test_admin_token_from_env_works_everywhere(project: ProjectCtx) -> None:

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -46,6 +47,17 @@ def _db(url: str) -> Database:
     return Database.from_settings(settings_for(url))
 
 
+def post_honouring_503(c: httpx.Client, url: str, **kw: Any) -> httpx.Response:
+    """POST as a well-behaved client: a 503 (the server shed the request before running it) is sent again
+    after its Retry-After, as the CLI and the hooks' sink are told to."""
+    for _ in range(60):
+        r = c.post(url, **kw)
+        if r.status_code != 503:
+            return r
+        time.sleep(float(r.headers.get("Retry-After", "1")))
+    return r
+
+
 def test_fifty_concurrent_clients_lose_and_duplicate_nothing(live: Server) -> None:
     name = _project(live)
     base = f"{live.url}/api/v1/projects/{name}"
@@ -63,14 +75,14 @@ def test_fifty_concurrent_clients_lose_and_duplicate_nothing(live: Server) -> No
         with httpx.Client(timeout=120) as c:
             body = json.dumps(report(finding(line=k, snippet=f"call_{k}()"))).encode()
             barrier.wait()
-            r1 = c.post(
-                f"{base}/reports", params={"commit_sha": sha(k), "branch": "main"}, content=body, headers=H
+            r1 = post_honouring_503(
+                c, f"{base}/reports", params={"commit_sha": sha(k), "branch": "main"}, content=body, headers=H
             )
-            r2 = c.post(
-                f"{base}/reports", params={"commit_sha": sha("shared")}, content=shared_body, headers=H
+            r2 = post_honouring_503(
+                c, f"{base}/reports", params={"commit_sha": sha("shared")}, content=shared_body, headers=H
             )
-            r3 = c.post(
-                f"{base}/reports", params={"commit_sha": sha(k), "branch": "main"}, content=body, headers=H
+            r3 = post_honouring_503(
+                c, f"{base}/reports", params={"commit_sha": sha(k), "branch": "main"}, content=body, headers=H
             )
             for r in (r1, r2, r3):
                 if r.status_code not in (200, 201):
@@ -92,7 +104,7 @@ def test_fifty_concurrent_clients_lose_and_duplicate_nothing(live: Server) -> No
         with httpx.Client(timeout=120) as c:
             barrier.wait()
             for b, batch in enumerate(batches + [batches[2]]):  # the last one re-sends a batch
-                r = c.post(f"{base}/runs/{run}/records", content=ndjson(batch), headers=H)
+                r = post_honouring_503(c, f"{base}/runs/{run}/records", content=ndjson(batch), headers=H)
                 if r.status_code != 200:
                     errors.append(f"writer {k} batch {b}: {r.status_code} {r.text[:200]}")
                     return

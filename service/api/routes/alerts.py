@@ -108,7 +108,7 @@ def triage_alert(alert_id: IdPath, body: AlertUpdate, access: TriageAccess, db: 
         before = alert.state
         if body.state == "dismissed":
             alert.state = "dismissed"
-            alert.dismissed_reason = body.reason
+            alert.dismissed_reason = getattr(body, "reason", None)
             alert.dismissed_comment = body.comment
             alert.dismissed_at = utcnow()
             alert.dismissed_by = access.principal.actor
@@ -125,7 +125,7 @@ def triage_alert(alert_id: IdPath, body: AlertUpdate, access: TriageAccess, db: 
                 actor=access.principal.actor,
                 from_state=before,
                 to_state=alert.state,
-                reason=body.reason,
+                reason=getattr(body, "reason", None),
                 comment=body.comment,
             )
         )

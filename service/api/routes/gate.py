@@ -18,7 +18,7 @@ from sqlalchemy import select
 
 from maingrad.service import auth, fastjson, gate_cache
 from maingrad.service.api.deps import ProjectName, ReadAccess, SessionDep, SettingsDep, bearer
-from maingrad.service.api.params import CommitQuery, OptionalCommitQuery
+from maingrad.service.api.params import CommitQuery, OptionalCommitQuery, RequireQuery
 from maingrad.service.gate import compute_gate
 from maingrad.service.models import Analysis
 from maingrad.service.sarif_out import new_results_sarif
@@ -28,15 +28,22 @@ router = APIRouter(tags=["gate"])
 
 
 def _gate_body(
-    state: Any, project_name: str, token: str | None, commit_sha: str, base_sha: str | None
+    state: Any,
+    project_name: str,
+    token: str | None,
+    commit_sha: str,
+    base_sha: str | None,
+    require: tuple[str, ...] | None,
 ) -> bytes:
     db, settings, cache = state.db, state.settings, state.gate_cache
     with db.read() as session:  # one snapshot: the version checked is the state computed from
         principal, project = auth.resolve(session, settings, token, project_name, "read")
-        key, current = (project.id, commit_sha, base_sha), gate_cache.version(session, project, commit_sha)
+        key = (project.id, commit_sha, base_sha, require)
+        current = gate_cache.version(session, project, commit_sha)
         body = cache.get(key, current)
         if body is None:
-            body = fastjson.dumps(compute_gate(session, settings, project, commit_sha, base_sha).body)
+            result = compute_gate(session, settings, project, commit_sha, base_sha, require)
+            body = fastjson.dumps(result.body)
             cache.put(key, current, body)
     auth.touch(db, principal)
     return body
@@ -46,7 +53,10 @@ def _gate_body(
     "/projects/{project}/gate",
     response_model=GateOut,
     summary="The CI gate for a commit: pass | fail | neutral | pending | error",
-    description="Always 200 for a visible project: the verdict is in `status`. The baseline is `base_sha` when "
+    description="Always 200 for a visible project: the verdict is in `status`. `require` (repeatable; default: "
+    "the project's `required_evidence`) names the evidence the commit needs before the gate decides: "
+    "`runtime` and/or analysis categories; while some is missing the status is `pending`. "
+    "The baseline is `base_sha` when "
     "given, else the latest analysis on the project's default branch uploaded before this commit's, else none "
     "(every finding is new). Recomputed on every read.",
 )
@@ -55,6 +65,7 @@ async def gate(
     project: ProjectName,
     commit_sha: CommitQuery,
     base_sha: OptionalCommitQuery = None,
+    require: RequireQuery = None,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None,
 ) -> Response:
     token = credentials.credentials if credentials is not None else None
@@ -65,6 +76,7 @@ async def gate(
         token,
         commit_sha.lower(),
         base_sha.lower() if base_sha else None,
+        tuple(sorted(set(require))) if require is not None else None,
     )
     return Response(body, media_type="application/json")
 
@@ -81,9 +93,15 @@ def gate_sarif(
     settings: SettingsDep,
     commit_sha: CommitQuery,
     base_sha: OptionalCommitQuery = None,
+    require: RequireQuery = None,
 ) -> JSONResponse:
     result = compute_gate(
-        session, settings, access.project, commit_sha.lower(), base_sha.lower() if base_sha else None
+        session,
+        settings,
+        access.project,
+        commit_sha.lower(),
+        base_sha.lower() if base_sha else None,
+        require,
     )
     head = list(
         session.execute(

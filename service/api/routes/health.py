@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import text
 
 from maingrad.service import migrate
-from maingrad.service.api.deps import DbDep
+from maingrad.service.api.deps import DbDep, SettingsDep
 from maingrad.service.problems import problem_response
 from maingrad.service.schemas import Health, Problem, Ready
 
@@ -25,16 +25,19 @@ def healthz() -> Health:
     summary="Readiness: the database answers and its schema is current",
     responses={503: {"model": Problem, "description": "Not ready."}},
 )
-def readyz(db: DbDep) -> Ready | JSONResponse:
+def readyz(db: DbDep, settings: SettingsDep) -> Ready | JSONResponse:
+    retry = {"Retry-After": str(settings.retry_after_s)}
     try:
         with db.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
         revision = migrate.current_revision(db.engine)
     except Exception as exc:
-        return problem_response(503, "database_unavailable", f"database error: {type(exc).__name__}")
+        return problem_response(
+            503, "database_unavailable", f"database error: {type(exc).__name__}", headers=retry
+        )
     if revision != migrate.head_revision():
         return problem_response(
-            503, "schema_outdated", f"schema at {revision}, expected {migrate.head_revision()}"
+            503, "schema_outdated", f"schema at {revision}, expected {migrate.head_revision()}", headers=retry
         )
     return Ready(status="ready", database=db.dialect, revision=revision)
 

@@ -29,7 +29,12 @@ router = APIRouter(tags=["projects"])
 
 
 def project_out(p: Project) -> ProjectOut:
-    return ProjectOut(name=p.name, default_branch=p.default_branch, created_at=p.created_at)
+    return ProjectOut(
+        name=p.name,
+        default_branch=p.default_branch,
+        required_evidence=list(p.required_evidence or []),
+        created_at=p.created_at,
+    )
 
 
 def token_out(t: Token, project_name: str | None) -> dict[str, Any]:
@@ -68,7 +73,12 @@ def create_project(body: ProjectCreate, principal: PrincipalDep, db: DbDep) -> P
     auth.require_instance_admin(principal)
     try:
         with db.writing() as session:
-            project = Project(name=body.name, default_branch=body.default_branch, created_at=utcnow())
+            project = Project(
+                name=body.name,
+                default_branch=body.default_branch,
+                required_evidence=sorted(set(body.required_evidence)),
+                created_at=utcnow(),
+            )
             session.add(project)
             session.flush()
             return project_out(project)
@@ -84,14 +94,17 @@ def get_project(access: ReadAccess) -> ProjectOut:
 @router.patch(
     "/projects/{project}",
     response_model=ProjectOut,
-    summary="Change a project's default branch",
+    summary="Change a project's default branch or the evidence its commits need",
 )
 def update_project(body: ProjectUpdate, access: AdminAccess, db: DbDep) -> ProjectOut:
     with db.writing() as session:
         project = session.get(Project, access.project.id)
         if project is None:
             raise ProblemError(404, "project_not_found", "the project was deleted")
-        project.default_branch = body.default_branch
+        if body.default_branch is not None:
+            project.default_branch = body.default_branch
+        if body.required_evidence is not None:
+            project.required_evidence = sorted(set(body.required_evidence))
         project.revision = (project.revision or 0) + 1  # the gate's baseline may change
         session.flush()
         return project_out(project)

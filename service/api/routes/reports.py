@@ -14,7 +14,7 @@ from maingrad.service.api.params import CommitQuery, CursorQuery, IdPath, LimitQ
 from maingrad.service.bodies import decode_content, read_body
 from maingrad.service.gate import finding_out
 from maingrad.service.models import Analysis, Commit, Finding, Run
-from maingrad.service.pagination import decode_cursor, encode_cursor, keyset_page
+from maingrad.service.pagination import after_id, decode_cursor, encode_cursor, keyset_page
 from maingrad.service.problems import ProblemError
 from maingrad.service.reports import analysis_dict, store_report
 from maingrad.service.sarif_out import analysis_sarif
@@ -25,11 +25,12 @@ router = APIRouter(tags=["reports"])
 SARIF_MEDIA = "application/sarif+json"
 _REPORT_BODY = {
     "required": True,
-    "description": "A maingrad JSON report or a SARIF 2.1.0 log from any tool (detected by content). "
-    "`Content-Encoding: gzip` is accepted. Limits: 10 MB on the wire, 20 runs, 25,000 results per run.",
+    "description": "A maingrad JSON report (`version` 1) or a SARIF 2.1.0 log from any tool (`version` "
+    '"2.1.0"). `Content-Encoding: gzip` is accepted. The limits are in the schemas and in 413 answers.',
+    # Filled in from the running configuration's limits (app._openapi).
     "content": {
-        "application/json": {"schema": {"type": "object"}},
-        SARIF_MEDIA: {"schema": {"type": "object"}},
+        "application/json": {"schema": {"$ref": "#/components/schemas/ReportBody"}},
+        SARIF_MEDIA: {"schema": {"$ref": "#/components/schemas/ReportBody"}},
     },
 }
 
@@ -46,7 +47,11 @@ _REPORT_BODY = {
             "description": "Unchanged: byte-identical re-upload, or an Idempotency-Key replay.",
         },
         409: {"description": "Conflict."},
-        413: {"description": "Too large (body, decompressed size, runs or results)."},
+        413: {
+            "description": "Too large: body, inflated body, JSON values, runs, results or stored text "
+            "(`limit` says which bound)."
+        },
+        422: {"description": "Not JSON, or breaks the report schema (`pointer` says where)."},
         415: {"description": "Unsupported Content-Encoding."},
     },
 )
@@ -150,7 +155,7 @@ def commits_page(session: Any, project_id: int, cursor: str | None, limit: int) 
     query = select(Commit).where(Commit.project_id == project_id).order_by(Commit.id.desc())
     before = decode_cursor(cursor)
     if before is not None:
-        query = query.where(Commit.id < before)
+        query = after_id(query, Commit.id, before, newest_first=True)
     rows = list(session.execute(query.limit(limit + 1)).scalars())
     page = rows[:limit]
     shas = [c.sha for c in page]

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from maingrad.service import records
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep, UploadAccess
-from maingrad.service.api.params import CursorQuery, LimitQuery, OptionalCommitQuery
+from maingrad.service.api.params import CursorQuery, KeyCursorQuery, LimitQuery, OptionalCommitQuery
 from maingrad.service.bodies import decode_content, read_body
 from maingrad.service.models import Record, Run
 from maingrad.service.pagination import decode_key_cursor, encode_key_cursor, keyset_page
@@ -24,9 +24,10 @@ RunName = Annotated[str, Path(min_length=1, max_length=255, description="Run id 
 
 _NDJSON_BODY = {
     "required": True,
-    "description": "One record (DESIGN.md §4, schema 1) per line; re-sent records are ignored by `id`. "
-    "`Content-Encoding: gzip` is accepted.",
-    "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+    "description": "One runtime record (`maingrad.hooks`, schema 1) per line; re-sent records are ignored by "
+    "`id`. The schema describes the body as the array of its lines. `Content-Encoding: gzip` is accepted.",
+    # The schema itself is filled in from the running configuration's limits (app._openapi).
+    "content": {"application/x-ndjson": {"schema": {"$ref": "#/components/schemas/RecordsBody"}}},
 }
 
 
@@ -46,8 +47,11 @@ def run_out(run: Run) -> dict[str, Any]:
     summary="Append a batch of runtime records (NDJSON)",
     openapi_extra={"requestBody": _NDJSON_BODY},
     responses={
-        409: {"description": "The run belongs to another commit."},
-        413: {"description": "Too large."},
+        409: {"description": "The run belongs to another commit, or the records name another commit."},
+        413: {"description": "Too large: body, inflated body, one line, or the number of records."},
+        422: {
+            "description": "A line is not JSON or breaks the record schema (`line` and `pointer` say where)."
+        },
     },
 )
 async def post_records(
@@ -59,7 +63,12 @@ async def post_records(
     commit_sha: OptionalCommitQuery = None,
 ) -> dict[str, Any]:
     raw = await read_body(request, settings.max_records_body_bytes)
-    body = decode_content(raw, request.headers.get("content-encoding"), settings.max_decompressed_bytes)
+    body = decode_content(
+        raw,
+        request.headers.get("content-encoding"),
+        settings.max_records_decompressed_bytes,
+        settings.max_record_line_bytes,
+    )
     result = await run_in_threadpool(
         records.ingest,
         db,
@@ -68,6 +77,8 @@ async def post_records(
         commit_sha.lower() if commit_sha else None,
         body,
         settings.max_records_per_batch,
+        settings.max_record_line_bytes,
+        settings.max_record_string_chars,
     )
     request.app.state.metrics.inc("maingrad_records_ingested_total", result["inserted"])
     if result["duplicates"]:
@@ -129,7 +140,11 @@ def get_timeline(run: RunName, access: ReadAccess, session: SessionDep) -> dict[
     summary="A run's raw records, by record id",
 )
 def list_records(
-    run: RunName, access: ReadAccess, session: SessionDep, cursor: CursorQuery = None, limit: LimitQuery = 100
+    run: RunName,
+    access: ReadAccess,
+    session: SessionDep,
+    cursor: KeyCursorQuery = None,
+    limit: LimitQuery = 100,
 ) -> dict[str, Any]:
     row = _run(session, access, run)
     query = select(Record.record_key, Record.raw).where(Record.run_id == row.id).order_by(Record.record_key)

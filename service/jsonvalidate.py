@@ -1,0 +1,136 @@
+"""A small JSON Schema validator for request bodies, so the server enforces exactly the schema it publishes.
+
+The OpenAPI document describes the report and record bodies with the schemas in `bodyschema.py`; this module
+checks a parsed body against the same dictionaries. Publishing one schema and enforcing another is what let
+contract fuzzers reach crashing parsers (and what makes them report valid requests rejected, or invalid ones
+accepted). Only the keywords those schemas use are implemented: type, enum, const, minimum, maximum,
+minLength, maxLength, pattern, minItems, maxItems, properties, required, additionalProperties, items.
+
+The first violation raises `BodyInvalid` with its JSON pointer (RFC 6901), e.g. `/runs/0/results/3/level`.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "boolean": (bool,),
+    "null": (type(None),),
+    "integer": (int,),
+    "number": (int, float),
+}
+
+
+class BodyInvalid(Exception):
+    """The first place a body breaks its schema: `pointer` (RFC 6901) and what is wrong there."""
+
+    def __init__(self, pointer: str, message: str) -> None:
+        super().__init__(f"{pointer or '/'}: {message}")
+        self.pointer = pointer
+        self.message = message
+
+
+def pointer_token(key: str | int) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+@lru_cache(maxsize=64)
+def _compiled(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
+
+
+def _is_type(value: Any, name: str) -> bool:
+    kind = type(value)
+    if name == "integer":
+        return kind is int
+    if name == "number":
+        return kind is int or kind is float
+    return kind in JSON_TYPES[name]
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if type(value) is bool:
+        return "a boolean"
+    if type(value) is int:
+        return "an integer"
+    if type(value) is float:
+        return "a number"
+    if type(value) is str:
+        return "a string"
+    if type(value) is list:
+        return "an array"
+    return "an object"
+
+
+def validate(value: Any, schema: dict[str, Any], pointer: str = "") -> None:
+    """Raise BodyInvalid at the first violation (depth-first, in document order)."""
+    expected = schema.get("type")
+    if expected is not None:
+        names = expected if isinstance(expected, list) else [expected]
+        if not any(_is_type(value, n) for n in names):
+            raise BodyInvalid(pointer, f"must be {' or '.join(names)}, not {_describe(value)}")
+    if "const" in schema and not _same(value, schema["const"]):
+        raise BodyInvalid(pointer, f"must be {schema['const']!r}")
+    if "enum" in schema and not any(_same(value, v) for v in schema["enum"]):
+        raise BodyInvalid(pointer, f"must be one of {schema['enum']}")
+    check = _BY_KIND.get(type(value))
+    if check is not None:
+        check(value, schema, pointer)
+
+
+def _number(value: float, schema: dict[str, Any], pointer: str) -> None:
+    if "minimum" in schema and value < schema["minimum"]:
+        raise BodyInvalid(pointer, f"must be >= {schema['minimum']}")
+    if "maximum" in schema and value > schema["maximum"]:
+        raise BodyInvalid(pointer, f"must be <= {schema['maximum']}")
+
+
+def _string(value: str, schema: dict[str, Any], pointer: str) -> None:
+    if "maxLength" in schema and len(value) > schema["maxLength"]:
+        raise BodyInvalid(pointer, f"longer than {schema['maxLength']} characters")
+    if "minLength" in schema and len(value) < schema["minLength"]:
+        raise BodyInvalid(pointer, f"shorter than {schema['minLength']} characters")
+    if "pattern" in schema and not _compiled(schema["pattern"]).search(value):
+        raise BodyInvalid(pointer, f"does not match {schema['pattern']}")
+
+
+def _array(value: list[Any], schema: dict[str, Any], pointer: str) -> None:
+    if "maxItems" in schema and len(value) > schema["maxItems"]:
+        raise BodyInvalid(pointer, f"more than {schema['maxItems']} items")
+    if "minItems" in schema and len(value) < schema["minItems"]:
+        raise BodyInvalid(pointer, f"fewer than {schema['minItems']} items")
+    items = schema.get("items")
+    if items is not None:
+        for i, item in enumerate(value):
+            validate(item, items, f"{pointer}/{i}")
+
+
+def _object(value: dict[str, Any], schema: dict[str, Any], pointer: str) -> None:
+    for name in schema.get("required", ()):
+        if name not in value:
+            raise BodyInvalid(pointer, f"missing required property {name!r}")
+    props = schema.get("properties", {})
+    extra = schema.get("additionalProperties", True)
+    for key, item in value.items():
+        sub = props.get(key)
+        if sub is not None:
+            validate(item, sub, f"{pointer}/{pointer_token(key)}")
+        elif extra is False:
+            raise BodyInvalid(f"{pointer}/{pointer_token(key)}", "is not an allowed property")
+        elif isinstance(extra, dict):
+            validate(item, extra, f"{pointer}/{pointer_token(key)}")
+
+
+_BY_KIND: dict[type, Any] = {int: _number, float: _number, str: _string, list: _array, dict: _object}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 1 and True differ (Python says they are equal)."""
+    return type(a) is type(b) and a == b
