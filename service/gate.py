@@ -38,6 +38,7 @@ _ANALYSIS_COLUMNS = (
     Analysis.results_count,
     Analysis.files_scanned,
     Analysis.execution_successful,
+    Analysis.not_analyzed,
     Analysis.created_at,
 )
 _A1, _A2 = aliased(Analysis), aliased(Analysis)
@@ -315,6 +316,18 @@ def compute_gate(
                 "passed": runtime["anomalies"] == 0,
             }
         )
+    unanalyzed = sum(a.not_analyzed for a in head)
+    conditions.append(
+        {
+            "name": "all_analyzed",
+            "description": "no uploaded analysis reports a file or folder it could not analyze "
+            "(error-level tool execution notifications, such as maingrad's MG999)",
+            "operator": "<=",
+            "threshold": 0,
+            "actual": unanalyzed,
+            "passed": unanalyzed == 0,
+        }
+    )
     failed_tools = [a for a in head if not a.execution_successful]
     conditions.append(
         {

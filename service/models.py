@@ -138,6 +138,8 @@ class Analysis(Base):
     results_count: Mapped[int] = mapped_column(Integer, default=0)
     files_scanned: Mapped[int | None] = mapped_column(Integer)
     execution_successful: Mapped[bool] = mapped_column(Boolean, default=True)
+    # Error-level tool execution notifications: paths the tool could not analyze (maingrad's MG999).
+    not_analyzed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # SARIF runs without their results (tool, rules, invocations...), to rebuild SARIF on the way out.
     runs_meta: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)

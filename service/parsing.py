@@ -58,6 +58,17 @@ class NormAnalysis:
     runs_meta: list[dict[str, Any]]
     findings: list[NormFinding] = field(default_factory=list)
 
+    @property
+    def not_analyzed(self) -> int:
+        """Error-level tool execution notifications in the runs: what the tool says it could not read, decode
+        or parse (maingrad writes one per MG999 path). A verdict on the rest must not pass for the whole."""
+        count = 0
+        for run in self.runs_meta:
+            for invocation in run.get("invocations") or []:
+                notes = invocation.get("toolExecutionNotifications") if isinstance(invocation, dict) else None
+                count += sum(1 for n in notes or [] if isinstance(n, dict) and n.get("level") == "error")
+        return count
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -279,6 +290,7 @@ def parse_maingrad(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
         }
         for r in report.rules
     ]
+    successful = not any(e.internal for e in report.parse_errors)  # as maingrad's own SARIF says
     notifications = [
         {
             "level": "error",
@@ -296,7 +308,7 @@ def parse_maingrad(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
                 "rules": rules,
             }
         },
-        "invocations": [{"executionSuccessful": True, "toolExecutionNotifications": notifications}],
+        "invocations": [{"executionSuccessful": successful, "toolExecutionNotifications": notifications}],
     }
     findings = []
     stored_chars = sum(len(f.message) + len(f.snippet) for f in report.findings)
@@ -349,7 +361,7 @@ def parse_maingrad(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
         tool_name="maingrad",
         tool_version=report.tool_version,
         files_scanned=report.files_scanned,
-        execution_successful=True,
+        execution_successful=successful,
         runs_meta=[meta],
         findings=findings,
     )

@@ -46,6 +46,7 @@ def analysis_dict(a: Analysis, project_name: str) -> dict[str, Any]:
         "results_count": a.results_count,
         "files_scanned": a.files_scanned,
         "execution_successful": a.execution_successful,
+        "not_analyzed": a.not_analyzed,
         "content_sha256": a.content_sha256,
         "created_at": iso(a.created_at),
     }
@@ -181,6 +182,7 @@ def _store(
         results_count=len(norm.findings),
         files_scanned=norm.files_scanned,
         execution_successful=norm.execution_successful,
+        not_analyzed=norm.not_analyzed,
         runs_meta=norm.runs_meta,
         created_at=now,
     )

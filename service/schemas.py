@@ -139,6 +139,9 @@ class AnalysisOut(BaseModel):
     results_count: int
     files_scanned: int | None
     execution_successful: bool
+    not_analyzed: int = Field(
+        description="paths the tool reported it could not analyze (error-level notifications)"
+    )
     content_sha256: str
     created_at: dt.datetime
 

@@ -251,3 +251,52 @@ def test_reused_answers_follow_every_change(project: ProjectCtx) -> None:
 
     project.client.patch(project.url(), json={"default_branch": "feature"}, headers=project.headers("admin"))
     assert project.gate(sha(201))["baseline"]["how"] == "none"  # the default branch moved
+
+
+def test_files_not_analyzed_fail_the_gate_in_both_formats(project: ProjectCtx) -> None:
+    """A report that says a file could not be analyzed (maingrad's MG999) never passes, even with no finding:
+    the verdict would cover code nobody read. The same holds for SARIF's error-level tool notifications."""
+    body = report()
+    body["parse_errors"] = [
+        {
+            "path": "src/broken.py",
+            "message": "'(' was never closed",
+            "line": 3,
+            "column": 12,
+            "kind": "syntax",
+        }
+    ]
+    project.upload(body, sha("na1"))
+    gate = project.gate(sha("na1"))
+    cond = {c["name"]: c for c in gate["conditions"]}
+    assert gate["status"] == "fail" and cond["all_analyzed"] == {
+        **cond["all_analyzed"],
+        "actual": 1,
+        "passed": False,
+    }
+    assert gate["analyses"][0]["not_analyzed"] == 1 and gate["analyses"][0]["execution_successful"] is True
+
+    note = {"level": "error", "message": {"text": "src/x.py: cannot decode"}}
+    project.upload(
+        sarif(invocations=[{"executionSuccessful": True, "toolExecutionNotifications": [note]}]), sha("na2")
+    )
+    assert project.gate(sha("na2"))["status"] == "fail"
+
+    warning = {**note, "level": "warning"}  # a warning says nothing was left out
+    project.upload(
+        sarif(invocations=[{"executionSuccessful": True, "toolExecutionNotifications": [warning]}]),
+        sha("na3"),
+    )
+    assert project.gate(sha("na3"))["status"] == "pass"
+
+    clean = report()
+    project.upload(clean, sha("na4"))
+    assert project.gate(sha("na4"))["status"] == "pass"
+
+
+def test_an_internal_error_of_the_analyzer_is_a_failed_tool_run(project: ProjectCtx) -> None:
+    body = report()
+    body["parse_errors"] = [{"path": "src/a.py", "message": "MG003 crashed: KeyError", "kind": "internal"}]
+    project.upload(body, sha("na5"))
+    gate = project.gate(sha("na5"))
+    assert gate["status"] == "error" and gate["analyses"][0]["execution_successful"] is False
