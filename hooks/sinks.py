@@ -12,6 +12,8 @@ import contextlib
 import json
 import queue
 import threading
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
@@ -114,14 +116,27 @@ class JsonlSink:
 
 
 _STOP = object()
+# Answers worth trying again: the server shed load or is restarting (its ingest is idempotent on record ids).
+_TRANSIENT = frozenset({429, 502, 503, 504})
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header in its delta-seconds form (the service sends that form)."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 class HttpSink:
     """Batched NDJSON POSTs to `{url}/api/v1/projects/{project}/runs/{run}/records?commit_sha=...`.
 
     `emit()` only splits records into batches and `put_nowait`s them on a bounded queue (full: the batch is
-    dropped and counted); a daemon thread serializes and sends them with urllib. `close()` waits at most
-    `close_timeout` seconds for the queue to drain.
+    dropped and counted); a daemon thread serializes and sends them with urllib. A transient failure (429,
+    502, 503, 504, or no connection) is tried again up to `retries` times, after the server's Retry-After or
+    an exponential backoff from `backoff` seconds, each wait capped at `max_delay`; a 4xx is never retried
+    (re-sent records are harmless: the service ignores a record id it already has). `close()` waits at most
+    `close_timeout` seconds for the queue to drain; no retry starts after that deadline.
     """
 
     def __init__(
@@ -136,9 +151,14 @@ class HttpSink:
         max_queue: int = 64,
         timeout: float = 10.0,
         close_timeout: float = 10.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        max_delay: float = 30.0,
     ) -> None:
         if batch_size < 1 or max_queue < 1:
             raise ValueError("batch_size and max_queue must be >= 1")
+        if retries < 0 or backoff < 0 or max_delay < 0:
+            raise ValueError("retries, backoff and max_delay must be >= 0")
         self.base = url.rstrip("/")
         self.project = project
         self.token = token
@@ -147,6 +167,11 @@ class HttpSink:
         self.batch_size = batch_size
         self.timeout = timeout
         self.close_timeout = close_timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_delay = max_delay
+        self._closing = threading.Event()
+        self._deadline = float("inf")  # set by close(): no retry starts after it
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -156,6 +181,7 @@ class HttpSink:
         self.dropped = 0
         self.failed = 0
         self.posts = 0
+        self.retried = 0
         self.last_error: str | None = None
         self.last_status: int | None = None
 
@@ -201,24 +227,52 @@ class HttpSink:
             try:
                 if batch is _STOP:
                     return
-                try:
-                    self._post(batch)
-                    with self._lock:
-                        self.sent += len(batch)
-                        self.posts += 1
-                except Exception as exc:  # noqa: BLE001 - HTTPError, URLError, timeouts: count and go on
-                    with self._lock:
-                        self.failed += len(batch)
-                        self.last_error = f"{type(exc).__name__}: {exc}"[:500]
-                        self.last_status = getattr(exc, "code", None)
+                self._send(batch)
             finally:
                 self._queue.task_done()
+
+    def _send(self, batch: list[dict]) -> None:
+        """Post one batch, retrying transient failures; never raises."""
+        attempt = 0
+        while True:
+            wait: float | None = None
+            try:
+                self._post(batch)
+                with self._lock:
+                    self.sent += len(batch)
+                    self.posts += 1
+                return
+            except urllib.error.HTTPError as exc:
+                error: Exception = exc
+                transient = exc.code in _TRANSIENT
+                wait = _retry_after(exc.headers.get("Retry-After") if exc.headers else None)
+            except (
+                urllib.error.URLError,
+                OSError,
+            ) as exc:  # refused, reset, timed out: the server may return
+                error, transient = exc, True
+            except Exception as exc:  # noqa: BLE001 - anything else: count and go on
+                error, transient = exc, False
+            with self._lock:
+                self.last_error = f"{type(error).__name__}: {error}"[:500]
+                self.last_status = getattr(error, "code", None)
+            delay = min(self.backoff * 2**attempt if wait is None else wait, self.max_delay)
+            if not transient or attempt >= self.retries or time.monotonic() + delay > self._deadline:
+                with self._lock:
+                    self.failed += len(batch)
+                return
+            attempt += 1
+            with self._lock:
+                self.retried += 1
+            self._closing.wait(delay)  # close() cuts a long wait short; the deadline then decides
 
     def close(self) -> None:
         thread = self._thread
         if thread is None:
             return
         self._thread = None
+        self._deadline = time.monotonic() + self.close_timeout
+        self._closing.set()
         try:
             self._queue.put(_STOP, timeout=self.close_timeout)
         except queue.Full:
@@ -234,6 +288,7 @@ class HttpSink:
             "dropped": self.dropped,
             "failed": self.failed,
             "posts": self.posts,
+            "retried": self.retried,
             "last_status": self.last_status,
             "last_error": self.last_error,
         }

@@ -199,13 +199,19 @@ class _Collector(BaseHTTPRequestHandler):
     requests: list[tuple[str, dict, bytes]] = []
     gate: threading.Event | None = None
     status = 201
+    shed = 0  # answer this many more requests 503 + Retry-After: 0 first (a server shedding load)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server API
         if self.gate is not None:
             self.gate.wait(30)
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).requests.append((self.path, dict(self.headers), body))
-        self.send_response(self.status)
+        if type(self).shed > 0:
+            type(self).shed -= 1
+            self.send_response(503)
+            self.send_header("Retry-After", "0")
+        else:
+            self.send_response(self.status)
         self.end_headers()
         self.wfile.write(b"{}")
 
@@ -219,6 +225,7 @@ def server():
         requests = []
         gate = None
         status = 201
+        shed = 0
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -272,11 +279,32 @@ def test_http_sink_counts_failures(server) -> None:
     sink.emit([{"n": i} for i in range(12)])
     sink.close()
     assert sink.failed == 12 and sink.sent == 0 and sink.last_status == 401
-    dead = HttpSink("http://127.0.0.1:9", "p", timeout=2)  # nothing listens on the discard port
+    assert len(handler.requests) == 3 and sink.retried == 0  # a 4xx is never tried again
+    dead = HttpSink("http://127.0.0.1:9", "p", timeout=2, backoff=0.01)  # nothing listens on the discard port
     dead.open(RunMeta("r", 0, "observe", None))
     dead.emit([{"n": 1}])
     dead.close()
-    assert dead.failed == 1 and "URLError" in dead.stats()["last_error"]
+    assert dead.failed == 1 and dead.retried == 3 and "URLError" in dead.stats()["last_error"]
+
+
+@pytest.mark.timeout(60)
+def test_http_sink_retries_a_server_shedding_load(server) -> None:
+    """503 + Retry-After (the service shedding load) delays a batch, it does not lose it."""
+    httpd, handler = server
+    handler.shed = 2
+    sink = HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", batch_size=5)
+    sink.open(RunMeta("r", 0, "observe", None))
+    sink.emit([{"n": i} for i in range(10)])
+    sink.close()
+    assert (sink.sent, sink.failed, sink.retried, len(handler.requests)) == (10, 0, 2, 4)
+    bodies = [body for _, _, body in handler.requests]
+    assert sorted(set(bodies)) == sorted(bodies[2:])  # the two shed posts were re-sent as they were
+    handler.shed = 10  # more than the retries allow: counted as failed, never raised
+    stubborn = HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", retries=2)
+    stubborn.open(RunMeta("r", 0, "observe", None))
+    stubborn.emit([{"n": 1}])
+    stubborn.close()
+    assert (stubborn.sent, stubborn.failed, stubborn.retried, stubborn.last_status) == (0, 1, 2, 503)
 
 
 def test_cli_summary_and_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
