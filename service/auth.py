@@ -117,6 +117,7 @@ def _check_access(principal: Principal, project_id: int | None, project_name: st
 def authorize(session: Session, principal: Principal, project_name: str, scope: str) -> Project:
     project = session.execute(_PROJECT_BY_NAME, {"n": project_name}).scalar_one_or_none()
     _check_access(principal, None if project is None else project.id, project_name, scope)
+    assert project is not None  # _check_access answers 404 for a missing project
     return project
 
 

@@ -57,7 +57,7 @@ def make_engine(settings: Settings, background_checkpoints: bool = False) -> Eng
 
 def _configure_sqlite(engine: Engine, busy_timeout_ms: int, background_checkpoints: bool) -> None:
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    def _on_connect(dbapi_connection, _record) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves (see module docstring)
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
@@ -74,7 +74,7 @@ def _configure_sqlite(engine: Engine, busy_timeout_ms: int, background_checkpoin
         cursor.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn) -> None:  # type: ignore[no-untyped-def]
+    def _on_begin(conn) -> None:
         mode = conn.get_execution_options().get("sqlite_begin", "DEFERRED")
         conn.exec_driver_sql(f"BEGIN {mode}")
 
@@ -97,7 +97,7 @@ class Checkpointer:
         while not self._stop.wait(self.interval):
             try:
                 with self.engine.connect() as conn:
-                    conn.connection.driver_connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    conn.connection.driver_connection.execute("PRAGMA wal_checkpoint(PASSIVE)")  # type: ignore[union-attr]  # SQLite: always a connection
             except Exception as exc:  # a checkpoint that fails is retried on the next tick
                 log.warning("WAL checkpoint failed: %s", exc)
 
@@ -106,7 +106,7 @@ class Checkpointer:
         self._thread.join(timeout=10)
         try:  # leave a small WAL behind
             with self.engine.connect() as conn:
-                conn.connection.driver_connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.connection.driver_connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # type: ignore[union-attr]  # SQLite: always a connection
         except Exception as exc:
             log.warning("final WAL checkpoint failed: %s", exc)
 

@@ -173,7 +173,7 @@ def finding_out(row: Any, category: str, **extra: Any) -> dict[str, Any]:
 
 
 def _sort_key(item: Item) -> tuple[int, str, int, str]:
-    return (-LEVEL_RANK.get(item.ref.level, 1), item.path, item.start_line or 0, item.rule)  # type: ignore[union-attr]
+    return (-LEVEL_RANK.get(item.ref.level, 1), item.path, item.start_line or 0, item.rule)
 
 
 def head_and_baseline(
@@ -291,8 +291,7 @@ def compute_gate(
     failing = [
         i
         for i in new_sorted
-        if LEVEL_RANK.get(i.ref.level, 1) >= threshold  # type: ignore[union-attr]
-        and i.fingerprint not in dismissed_fps
+        if LEVEL_RANK.get(i.ref.level, 1) >= threshold and i.fingerprint not in dismissed_fps
     ]
 
     conditions = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from maingrad.contracts.report import normalize_context
 
@@ -25,7 +26,7 @@ class Item:
     message: str
     start_line: int | None
     context_hash: str | None
-    ref: object = None
+    ref: Any = None
 
 
 @dataclass
@@ -58,7 +59,7 @@ def match(head: list[Item], base: list[Item], line_window: int = 3) -> Matching:
             nearby[(b.category, b.rule, b.path, normalize_context(b.message))].append(i)
     rest2: list[Item] = []
     for h in rest:
-        pool = [
+        pool: list[int] = [
             i
             for i in nearby.get((h.category, h.rule, h.path, normalize_context(h.message)), ())
             if i not in used
@@ -76,7 +77,7 @@ def match(head: list[Item], base: list[Item], line_window: int = 3) -> Matching:
         if i not in used and b.context_hash:
             renamed[(b.category, b.rule, b.context_hash, normalize_context(b.message))].append(i)
     for h in rest2:
-        pool: list[int] = []
+        pool = []
         if h.context_hash:
             key = (h.category, h.rule, h.context_hash, normalize_context(h.message))
             pool = [i for i in renamed.get(key, ()) if i not in used and base[i].path != h.path]

@@ -24,7 +24,7 @@ def keyset_page(
     last_id = decode_cursor(cursor)
     if last_id is not None:
         query = after_id(query, id_column, last_id, newest_first)
-    rows = list(session.execute(query.limit(limit + 1)).scalars())
+    rows: list[Any] = list(session.execute(query.limit(limit + 1)).scalars())
     return rows[:limit], encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
 
 

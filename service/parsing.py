@@ -404,7 +404,8 @@ def _text(message: Any, rule: dict[str, Any] | None, max_chars: int, where: str)
     if not (isinstance(template, dict) and isinstance(template.get("text"), str)):
         return ""
     text = template["text"]
-    args = message.get("arguments") if isinstance(message.get("arguments"), list) else []
+    arguments = message.get("arguments")
+    args: list[Any] = arguments if isinstance(arguments, list) else []
     for i, arg in enumerate(args):
         placeholder = "{" + str(i) + "}"
         count = text.count(placeholder)
@@ -526,7 +527,8 @@ def _sarif_result(
         default = (rule or {}).get("defaultConfiguration") or {}
         level = default.get("level") if isinstance(default, dict) else None
         level = level if level in LEVEL_RANK else "warning"
-    path, region, snippet = "", {}, ""
+    path, snippet = "", ""
+    region: dict[str, Any] = {}
     locations = _list(result.get("locations"), f"{where}.locations")
     if locations:
         loc = _obj(locations[0], f"{where}.locations[0]")
@@ -535,7 +537,8 @@ def _sarif_result(
             art = phys.get("artifactLocation") or {}
             if isinstance(art, dict) and isinstance(art.get("uri"), str):
                 path = normalize_path(art["uri"], bases)
-            region = phys.get("region") if isinstance(phys.get("region"), dict) else {}
+            found = phys.get("region")
+            region = found if isinstance(found, dict) else {}
             for reg in (region, phys.get("contextRegion")):
                 if isinstance(reg, dict) and isinstance(reg.get("snippet"), dict):
                     text = reg["snippet"].get("text")

@@ -149,7 +149,8 @@ def install(app: FastAPI) -> None:
             extra = {"limit": limit} if limit is not None else {}
             return problem_response(413, code, str(exc.detail), instance=request.url.path, **extra)
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return problem_response(exc.status_code, code, detail, instance=request.url.path, headers=exc.headers)
+        headers = dict(exc.headers) if exc.headers else None
+        return problem_response(exc.status_code, code, detail, instance=request.url.path, headers=headers)
 
     from sqlalchemy import exc as sa_exc
 

@@ -236,7 +236,7 @@ def _insert_rows(session: Session, run_id: int, rows: list[tuple[Any, ...]]) -> 
     are already there (a re-sent batch, or a concurrent delivery of the same records that committed
     first), roll back to the savepoint, look the ids up and COPY only the new ones."""
     conn = session.connection()
-    cursor = conn.connection.driver_connection.cursor()  # same connection, same transaction
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]  # same connection, same transaction
     if conn.dialect.name == "sqlite":
         # Multi-row VALUES, a few hundred rows per statement: executemany would release and retake the GIL
         # around every row, and a thread parsing the next batch then makes each retake wait (a GIL convoy

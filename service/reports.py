@@ -191,7 +191,7 @@ def _store(
     note_commit(session, project.id, commit_sha, branch)
     if norm.findings:
         session.connection().execute(
-            Finding.__table__.insert(),
+            Finding.__table__.insert(),  # type: ignore[attr-defined]  # a Table
             [
                 {
                     "analysis_id": analysis.id,

@@ -53,7 +53,7 @@ def new_results_sarif(session: Session, analyses: list[Analysis], new_rows: list
     wanted: dict[tuple[int, str], int] = defaultdict(int)
     for row in new_rows:
         wanted[(row.analysis_id, row.fingerprint)] += 1
-    runs = []
+    runs: list[dict[str, Any]] = []
     for analysis in analyses:
         by_run: dict[int, list[dict[str, Any]]] = defaultdict(list)
         if any(aid == analysis.id for aid, _ in wanted):

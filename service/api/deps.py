@@ -64,7 +64,7 @@ class Access:
 ProjectName = Annotated[str, Path(description="Project name.", examples=["demo"], max_length=200)]
 
 
-def _access(scope: str):  # type: ignore[no-untyped-def]
+def _access(scope: str):
     def dependency(
         project: ProjectName,
         request: Request,

@@ -12,14 +12,14 @@ config = context.config
 target_metadata = Base.metadata
 
 
-def _render_item(type_: str, obj, autogen_context):  # type: ignore[no-untyped-def]
+def _render_item(type_: str, obj, autogen_context):
     """Render our TypeDecorators as their plain SQL types, so migrations never import the models."""
     if type_ == "type" and isinstance(obj, UTCDateTime):
         return "sa.DateTime(timezone=True)"
     return False
 
 
-def _configure(connection) -> None:  # type: ignore[no-untyped-def]
+def _configure(connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
