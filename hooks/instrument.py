@@ -44,7 +44,6 @@ from maingrad.hooks.records import (
     BACKWARD,
     FORWARD,
     PHASES,
-    BufferMeta,
     CallEntry,
     ColumnsEntry,
     ErrorEntry,
@@ -53,7 +52,6 @@ from maingrad.hooks.records import (
     PlainRow,
     RecordRing,
     TensorRow,
-    new,
 )
 
 _MISSING = object()
@@ -115,8 +113,8 @@ def _fwd_ptr(fwd: Sequence[Any] | None, slot: int) -> int:
     value = fwd[slot]
     if value.__class__ is int:
         return value
-    meta = value[1]  # a row: its meta, or True where main_grad was None (see _NONE_ROW)
-    return meta[0] if meta.__class__ is BufferMeta else 0
+    meta = value[2]  # a TensorRow's meta (a tuple), or a PlainRow's `has` where main_grad was None
+    return meta[0] if meta.__class__ is tuple else 0
 
 
 def _overwrites_accumulation(param: Any, forward_ptr: int, previous_backward_ptr: int) -> bool:
@@ -145,8 +143,8 @@ def _heuristic_overwrite(forward_ptr: int, previous_backward_ptr: int) -> bool:
 _EXPOSING_METHODS = ("_ensure_main_grad", "_expose_main_grad_for_fused_ops")
 
 
-_NO_META = BufferMeta(0, None, None, None)
-_NO_ROWS: tuple[TensorRow, ...] = (TensorRow(-1, None, None, None, None),)  # type: ignore[arg-type]  # matches no row (a row's meta is never None)
+_NO_META: tuple = (0, None, None, None)  # laid out as BufferMeta
+_NO_ROWS: tuple = ((TensorRow, -1, None, None, None, None),)  # matches no row (a row's meta is never None)
 _NO_COLUMNS: tuple = (None,) * 7  # equals no column (a list)
 
 
@@ -211,14 +209,14 @@ class Runtime:
             self.last_error = f"{site.path} {PHASES[phase]}: {type(exc).__name__}: {exc}"[:500]
             site.errors += 1
             site.anomalies[HOOK_ERROR] = site.anomalies.get(HOOK_ERROR, 0) + 1
-            row = ErrorRow(
-                time_ns(), self.step, mb, phase, site.index, slot,
+            row = (
+                ErrorRow, time_ns(), self.step, mb, phase, site.index, slot,
                 False, None, None, None, None, None, None, None, False, A_ERROR, HOOK_ERROR,
             )  # fmt: skip
             if rows is not None:
                 rows.append(row)
             else:
-                self.ring.push(ErrorEntry(1, [row]))
+                self.ring.push((ErrorEntry, 1, [row]))
         except Exception:  # noqa: BLE001 - the error path of an error path: swallow, training goes on
             pass
 
@@ -515,10 +513,10 @@ class Site:
                                 break
                             if rows is None:
                                 row = last[i]
-                                if row[1] is True and row[3] is ow and row[4] is gam and row[5] is fsdp:
+                                if row[2] is True and row[4] is ow and row[5] is gam and row[6] is fsdp:
                                     continue
                                 rows = list(last[:i])
-                            rows.append(new(PlainRow, (i, True, True, ow, gam, fsdp, A_NONE, None)))
+                            rows.append((PlainRow, i, True, True, ow, gam, fsdp, A_NONE, None))
                             continue
                         ptr = _data_ptr(mg)  # TypeError unless a tensor
                         dtype = mg.dtype
@@ -532,13 +530,13 @@ class Site:
                                 and not self._validate(i, p, mg, ptr)
                             ):
                                 break
-                            meta = metas[i] = new(BufferMeta, (ptr, dtype, mg.shape, mg.device))
+                            meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
                         if rows is None:
                             row = last[i]
-                            if row[1] is meta and row[2] is ow and row[3] is gam and row[4] is fsdp:
+                            if row[2] is meta and row[3] is ow and row[4] is gam and row[5] is fsdp:
                                 continue
                             rows = list(last[:i])
-                        rows.append(new(TensorRow, (i, meta, ow, gam, fsdp)))
+                        rows.append((TensorRow, i, meta, ow, gam, fsdp))
                     else:
                         if rows is None:
                             rows = last
@@ -546,7 +544,7 @@ class Site:
                             rows = self.fwd_rows = tuple(rows)
                         rt = self.rt
                         n = self.nslots
-                        rt.ring.push(new(CallEntry, (n, rows, time_ns(), rt.step, mb, FORWARD, self.index)))
+                        rt.ring.push((CallEntry, n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
                         self.records += n
                         fwd = rows
                 except AttributeError:  # main_grad absent (the general path sees to it), or a flag
@@ -818,10 +816,10 @@ class Site:
                     return _SLOW
                 if rows is None:
                     row = last[i]
-                    if row[1] is True and row[3] is ow and row[4] is gam and row[5] is fsdp:
+                    if row[2] is True and row[4] is ow and row[5] is gam and row[6] is fsdp:
                         continue
                     rows = list(last[:i])
-                rows.append(new(PlainRow, (i, True, True, ow, gam, fsdp, A_NONE, None)))
+                rows.append((PlainRow, i, True, True, ow, gam, fsdp, A_NONE, None))
                 continue
             ptr = _data_ptr(mg)  # TypeError unless a tensor
             dtype = mg.dtype
@@ -829,20 +827,20 @@ class Site:
             if meta[0] != ptr or meta[1] is not dtype:  # a buffer new to this slot: validated first
                 if ptr != self.checked_ptr[i] and self.wgrads[i] and not self._validate(i, p, mg, ptr):
                     return _SLOW
-                meta = metas[i] = new(BufferMeta, (ptr, dtype, mg.shape, mg.device))
+                meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
             if rows is None:
                 row = last[i]
-                if row[1] is meta and row[2] is ow and row[3] is gam and row[4] is fsdp:
+                if row[2] is meta and row[3] is ow and row[4] is gam and row[5] is fsdp:
                     continue
                 rows = list(last[:i])
-            rows.append(new(TensorRow, (i, meta, ow, gam, fsdp)))
+            rows.append((TensorRow, i, meta, ow, gam, fsdp))
         if rows is None:
             rows = last
         else:
             rows = self.fwd_rows = tuple(rows)
         rt = self.rt
         n = self.nslots
-        rt.ring.push(new(CallEntry, (n, rows, time_ns(), rt.step, mb, FORWARD, self.index)))
+        rt.ring.push((CallEntry, n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
         self.records += n
         return rows
 
@@ -922,10 +920,10 @@ class Site:
                 if record:
                     if rows is None:
                         row = last_rows[i]
-                        if row[1] is True and row[3] is ow and row[4] is gam and row[5] is fsdp:
+                        if row[2] is True and row[4] is ow and row[5] is gam and row[6] is fsdp:
                             continue
                         rows = list(last_rows[:i])
-                    rows.append(new(PlainRow, (i, True, True, ow, gam, fsdp, A_NONE, None)))
+                    rows.append((PlainRow, i, True, True, ow, gam, fsdp, A_NONE, None))
                 continue
             ptr = _data_ptr(mg)
             if record:
@@ -934,7 +932,7 @@ class Site:
                 if meta[0] != ptr or meta[1] is not dtype:  # a buffer new to this slot: validated first
                     if ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
                         return _SLOW
-                    meta = metas[i] = new(BufferMeta, (ptr, dtype, mg.shape, mg.device))
+                    meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
             elif ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
                 return _SLOW
             keep(ptr)
@@ -955,14 +953,14 @@ class Site:
                 if anomaly is None:
                     if rows is None:
                         row = last_rows[i]
-                        if row[1] is meta and row[2] is ow and row[3] is gam and row[4] is fsdp:
+                        if row[2] is meta and row[3] is ow and row[4] is gam and row[5] is fsdp:
                             continue
                         rows = list(last_rows[:i])
-                    rows.append(new(TensorRow, (i, meta, ow, gam, fsdp)))
+                    rows.append((TensorRow, i, meta, ow, gam, fsdp))
                 else:
                     if rows is None:
                         rows = list(last_rows[:i])
-                    rows.append(new(FlaggedRow, (i, meta, ow, gam, fsdp, A_NONE, anomaly)))
+                    rows.append((FlaggedRow, i, meta, ow, gam, fsdp, A_NONE, anomaly))
         self.last_bwd_ptr = ptrs
         if exact is not None:
             self.exact_overwrite = exact
@@ -977,7 +975,7 @@ class Site:
                 rows = self.bwd_rows = tuple(rows)
             rt = self.rt
             n = len(rows)
-            rt.ring.push(new(CallEntry, (n, rows, time_ns(), rt.step, mb, BACKWARD, self.index)))
+            rt.ring.push((CallEntry, n, rows, time_ns(), rt.step, mb, BACKWARD, self.index))
             self.records += n
         return None
 
@@ -1067,7 +1065,7 @@ class Site:
                 fsdps = prev[6]
             self.columns = (ptrs, dtypes, shapes, devices, ows, gams, fsdps)
             rt.ring.push(
-                new(ColumnsEntry, (n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, time_ns(), rt.step, mb, phase, self.index))
+                (ColumnsEntry, n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, time_ns(), rt.step, mb, phase, self.index)
             )  # fmt: skip
             self.records += n
         if not forward:
@@ -1142,14 +1140,14 @@ class Site:
                                     meta = metas[i]
                                     dtype = mg.dtype
                                     if meta[0] != ptr or meta[1] is not dtype:
-                                        meta = metas[i] = new(BufferMeta, (ptr, dtype, mg.shape, mg.device))
-                                    append(new(TensorRow, (i, meta, ow, gam, hasattr(p, "__fsdp_param__"))))
+                                        meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
+                                    append((TensorRow, i, meta, ow, gam, hasattr(p, "__fsdp_param__")))
                                 continue
                         # Slow path: anything missing, odd, to expose, to force, or to flag.
                         if p is None:
                             anomalies[PARAM_MISSING] = anomalies.get(PARAM_MISSING, 0) + 1
                             if record:
-                                append(PlainRow(i, False, None, None, None, False, A_NONE, PARAM_MISSING))
+                                append((PlainRow, i, False, None, None, None, False, A_NONE, PARAM_MISSING))
                             continue
                         action = A_NONE
                         anomaly = None
@@ -1208,16 +1206,16 @@ class Site:
                         if record:
                             if is_tensor:
                                 append(
-                                    FlaggedRow(
-                                        i, BufferMeta(ptr, mg.dtype, mg.shape, mg.device), ow, gam,
+                                    (
+                                        FlaggedRow, i, (ptr, mg.dtype, mg.shape, mg.device), ow, gam,
                                         hasattr(p, "__fsdp_param__"), action, anomaly,
                                     )
                                 )  # fmt: skip
                             else:
                                 has = mg is not _MISSING
                                 append(
-                                    PlainRow(
-                                        i, has, (mg is None) if has else None, ow, gam,
+                                    (
+                                        PlainRow, i, has, (mg is None) if has else None, ow, gam,
                                         hasattr(p, "__fsdp_param__"), action, anomaly,
                                     )
                                 )  # fmt: skip
@@ -1225,7 +1223,7 @@ class Site:
                         rt.hook_error(self, phase, mb, i, exc, rows)
         finally:
             if rows:  # whatever was recorded, even if something above escaped
-                rt.ring.push(CallEntry(len(rows), rows, t, step, mb, phase, self.index))
+                rt.ring.push((CallEntry, len(rows), rows, t, step, mb, phase, self.index))
         if record:
             self.records += self.nslots
         if problems:

@@ -21,12 +21,15 @@ from maingrad.contracts.records import ACTIONS, PHASES, SCHEMA_VERSION, WHOLE_CA
 FORWARD, BACKWARD = 0, 1
 A_NONE, A_EXPOSED, A_RAISED, A_ERROR = 0, 1, 2, 3
 
-# The shapes the hooks push (instrument.py builds them) and the rows the ring hands out. Each is a NamedTuple,
-# so every record shape has a name and its fields are readable by name; the hot path builds them with
-# `new(Shape, (...))` (tuple.__new__: about half the cost of calling the class) and reads them by position
-# where a loop runs once per parameter. Expanding entries into rows, formatting and the sequence numbers wait
-# for the flush, off the hot path. Entries, rows and their column lists may be the very objects of an earlier
-# entry (the hooks push what they last pushed again when nothing changed), so nothing may modify them.
+# The shapes the hooks push (instrument.py builds them), each declared once below as a NamedTuple so every
+# record shape has a name and named fields. On the hot path they are plain tuples laid out as those classes:
+# entries and rows carry their class in field 0 (the ring and the flush dispatch on it, `view(x)` gives the
+# named form); BufferMeta, which only ever stands in a row's meta field, carries no tag. A NamedTuple instance
+# costs more to make, free and index than a tuple (measured at 2 parameters: fix+record went from 1.25x to 1.45x
+# the hand-written hook with NamedTuple entries, 1.35x with NamedTuple rows), and a call makes an entry every
+# time. Expanding entries into rows, formatting and the sequence numbers wait for the flush, off the hot path.
+# Entries, rows and their column lists may be the very objects of an earlier entry (the hooks push what they
+# last pushed again when nothing changed), so nothing may modify them.
 
 new = tuple.__new__
 
@@ -43,6 +46,7 @@ class BufferMeta(NamedTuple):
 class TensorRow(NamedTuple):
     """One slot whose main_grad is a tensor, with no action and no anomaly: the steady state."""
 
+    kind: type  # TensorRow: the tag in field 0
     slot: int
     meta: BufferMeta
     ow: Any  # overwrite_main_grad as read (bool or None when absent)
@@ -53,6 +57,7 @@ class TensorRow(NamedTuple):
 class FlaggedRow(NamedTuple):
     """One slot whose main_grad is a tensor, with an action or an anomaly."""
 
+    kind: type  # FlaggedRow: the tag in field 0
     slot: int
     meta: BufferMeta
     ow: Any
@@ -65,6 +70,7 @@ class FlaggedRow(NamedTuple):
 class PlainRow(NamedTuple):
     """One slot whose main_grad is not a tensor (absent, None, something else) or whose parameter is gone."""
 
+    kind: type  # PlainRow: the tag in field 0
     slot: int
     has: bool  # main_grad attribute present
     is_none: bool | None
@@ -78,6 +84,7 @@ class PlainRow(NamedTuple):
 class ErrorRow(NamedTuple):
     """A hook_error: a whole row but its sequence number; it carries its own time."""
 
+    kind: type  # ErrorRow: the tag in field 0
     t: int
     step: int
     mb: int
@@ -97,13 +104,15 @@ class ErrorRow(NamedTuple):
     anomaly: str | None
 
 
-SlotRow = TensorRow | FlaggedRow | PlainRow | ErrorRow
+# A tuple laid out as TensorRow, FlaggedRow, PlainRow or ErrorRow, field 0 naming which.
+SlotRow = tuple[Any, ...]
 
 
 class CallEntry(NamedTuple):
     """One recorded call of a site: one row per slot (an ErrorRow may stand among them)."""
 
-    n: int  # rows
+    kind: type  # CallEntry: what the ring dispatches on (field 0 of every entry)
+    n: int  # rows (field 1 of every entry)
     rows: Sequence[SlotRow]
     t: int
     step: int
@@ -115,6 +124,7 @@ class CallEntry(NamedTuple):
 class ColumnsEntry(NamedTuple):
     """One recorded call of a large site from the vectorised path: slots 0..n-1 as columns, action "none"."""
 
+    kind: type  # ColumnsEntry
     n: int
     ptrs: list[int]
     dtypes: list[Any]
@@ -134,11 +144,19 @@ class ColumnsEntry(NamedTuple):
 class ErrorEntry(NamedTuple):
     """A hook_error outside any recorded call."""
 
+    kind: type  # ErrorEntry
     n: int
     rows: list[ErrorRow]
 
 
-Entry = CallEntry | ColumnsEntry | ErrorEntry
+# What the ring holds: a tuple laid out as one of the entry classes, field 0 naming which.
+Entry = tuple[Any, ...]
+
+
+def view(item: tuple[Any, ...]) -> Any:
+    """The named form of a ring entry or row (for tests and debugging; the flush reads them by position)."""
+    kind: Any = item[0]
+    return new(kind, item)
 
 
 class Row(NamedTuple):
@@ -166,8 +184,9 @@ class Row(NamedTuple):
 
 def _expand(entry: Entry, seq: int, out: list[Row]) -> None:
     """Append the full rows of one entry, numbered from `seq`."""
-    if type(entry) is ColumnsEntry:
-        n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, t, step, mb, phase, site = entry
+    kind = entry[0]
+    if kind is ColumnsEntry:
+        _, n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, t, step, mb, phase, site = entry
         out.extend(
             map(
                 new,
@@ -181,22 +200,23 @@ def _expand(entry: Entry, seq: int, out: list[Row]) -> None:
         )  # fmt: skip
         return
     # An ErrorEntry has no call: its rows carry their own.
-    head: tuple[Any, ...] = entry[2:] if type(entry) is CallEntry else (None,) * 5
+    head: tuple[Any, ...] = entry[3:] if kind is CallEntry else (None,) * 5
     t, step, mb, phase, site = head
     append = out.append
-    rows: Sequence[SlotRow] = entry.rows  # type: ignore[union-attr]  # ColumnsEntry returned above
+    rows: Sequence[SlotRow] = entry[2]
     for row in rows:
-        if type(row) is TensorRow:
-            slot, (ptr, dtype, shape, device), ow, gam, fsdp = row
+        kind = row[0]
+        if kind is TensorRow:
+            _, slot, (ptr, dtype, shape, device), ow, gam, fsdp = row
             append(new(Row, (seq, t, step, mb, phase, site, slot, True, False, dtype, shape, device, ptr, ow, gam, fsdp, A_NONE, None)))  # fmt: skip
-        elif type(row) is FlaggedRow:
-            slot, (ptr, dtype, shape, device), ow, gam, fsdp, action, anomaly = row
+        elif kind is FlaggedRow:
+            _, slot, (ptr, dtype, shape, device), ow, gam, fsdp, action, anomaly = row
             append(new(Row, (seq, t, step, mb, phase, site, slot, True, False, dtype, shape, device, ptr, ow, gam, fsdp, action, anomaly)))  # fmt: skip
-        elif type(row) is PlainRow:
-            slot, has, is_none, ow, gam, fsdp, action, anomaly = row
+        elif kind is PlainRow:
+            _, slot, has, is_none, ow, gam, fsdp, action, anomaly = row
             append(new(Row, (seq, t, step, mb, phase, site, slot, has, is_none, None, None, None, None, ow, gam, fsdp, action, anomaly)))  # fmt: skip
         else:  # an ErrorRow: a whole row but its number (the only rows of an ErrorEntry)
-            append(new(Row, (seq, *row)))
+            append(new(Row, (seq, *row[1:])))
         seq += 1
 
 
@@ -244,9 +264,9 @@ class RecordRing:
         return self.held + self.held_previous + self.dropped
 
     def push(self, entry: Entry) -> None:
-        """Add one call's entry (`entry[0]` rows, >= 1); the hooks' only write."""
+        """Add one call's entry (`entry[1]` rows, >= 1); the hooks' only write."""
         self.current.append(entry)
-        self.held += entry[0]
+        self.held += entry[1]
         if self.held >= self.capacity:
             self.dropped += self.held_previous
             self.previous = self.current
@@ -262,14 +282,14 @@ class RecordRing:
         covered = 0
         for entry in chain(reversed(self.current), reversed(self.previous)):
             chosen.append(entry)
-            covered += entry[0]
+            covered += entry[1]
             if covered >= count:
                 break
         rows: list[Row] = []
         seq = self.total - covered + 1
         for entry in reversed(chosen):
             _expand(entry, seq, rows)
-            seq += entry[0]
+            seq += entry[1]
         return rows[len(rows) - count :] if len(rows) > count else rows
 
     def snapshot(self) -> list[Row]:

@@ -15,7 +15,7 @@ from emulators import MegatronFSDP, batches, fsdp_run, make_layer
 from maingrad.cli.main import main as cli_main
 from maingrad.contracts.records import FIELDS, validate
 from maingrad.hooks import HttpSink, JsonlSink, MemorySink, expose_main_grad, install
-from maingrad.hooks.records import CallEntry, PlainRow, RecordRing, Row, RunMeta, to_dict, to_dicts
+from maingrad.hooks.records import CallEntry, PlainRow, RecordRing, Row, RunMeta, to_dict, to_dicts, view
 
 
 def _train(**kwargs):
@@ -65,10 +65,12 @@ def test_commit_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     handle.remove()
 
 
-def _entry(rows: int, site: int = 0) -> CallEntry:
+def _entry(rows: int, site: int = 0) -> tuple:
     """A ring entry of `rows` rows (parameter missing), as a hook pushes it for one call."""
-    slots = [PlainRow(i, False, None, None, None, False, 0, "param_missing") for i in range(rows)]
-    return CallEntry(rows, slots, 123, 0, 0, 0, site)
+    slots = [(PlainRow, i, False, None, None, None, False, 0, "param_missing") for i in range(rows)]
+    entry = (CallEntry, rows, slots, 123, 0, 0, 0, site)
+    assert view(entry) == CallEntry(CallEntry, rows, slots, 123, 0, 0, 0, site)
+    return entry
 
 
 def test_ring_buffer_is_bounded_and_counts_overflow() -> None:
