@@ -221,10 +221,7 @@ def _too_many_results(detail: str, limits: Limits) -> ProblemError:
     return ProblemError(413, "too_many_results", detail, limit=limits.max_results_per_run)
 
 
-def _check_counts_sarif(doc: dict[str, Any], limits: Limits) -> None:
-    runs = doc.get("runs")
-    if not isinstance(runs, list):
-        return
+def _check_run_count(runs: list[Any], limits: Limits) -> None:
     if len(runs) > limits.max_runs:
         raise ProblemError(
             413,
@@ -232,6 +229,13 @@ def _check_counts_sarif(doc: dict[str, Any], limits: Limits) -> None:
             f"{len(runs)} runs exceed the limit of {limits.max_runs}",
             limit=limits.max_runs,
         )
+
+
+def _check_counts_sarif(doc: dict[str, Any], limits: Limits) -> None:
+    runs = doc.get("runs")
+    if not isinstance(runs, list):
+        return
+    _check_run_count(runs, limits)
     for i, run in enumerate(runs):
         results = run.get("results") if isinstance(run, dict) else None
         if isinstance(results, list) and len(results) > limits.max_results_per_run:
@@ -430,13 +434,7 @@ def parse_sarif(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
     runs = _list(doc.get("runs"), "runs")
     if not runs:
         raise _invalid("invalid_sarif", "a SARIF log needs at least one run")
-    if len(runs) > limits.max_runs:
-        raise ProblemError(
-            413,
-            "too_many_runs",
-            f"{len(runs)} runs exceed the limit of {limits.max_runs}",
-            limit=limits.max_runs,
-        )
+    _check_run_count(runs, limits)
     findings: list[NormFinding] = []
     metas: list[dict[str, Any]] = []
     tool_name = tool_version = ""
