@@ -2,8 +2,8 @@
 
 Two sources: a live handle's counters (`Handle.summary()`, exact even when records were sampled or the ring
 overflowed) and a set of records (`summarize_records`, e.g. a JSONL file read by `maingrad hooks summary`).
-The overwrite_main_grad value seen at forward and at backward is tallied per module, so the question in
-DESIGN.md §1 (which flag does the fused backward read?) is answered from data.
+The overwrite_main_grad value seen at forward and at backward is tallied per module, so which value a fused
+backward reads (TE modules capture it at forward, op-fuser ops read it at backward) is answered from data.
 """
 
 from __future__ import annotations
