@@ -48,6 +48,14 @@ _STEP = STEP_BOUND
 
 
 def _load_lines(lines: list[tuple[int, str]]) -> list[Any]:
+    """Each line parsed on its own (a batch is one JSON value per line, never a JSON array of them, so a
+    value split over lines or two values on one line are refused). One `map` over the batch; only when a
+    line is bad does the loop run again to name it (a third of the per-record parse cost on the ingest
+    path went to the per-line try/append loop)."""
+    try:
+        return list(map(fastjson.loads, [line for _, line in lines]))
+    except (fastjson.DecodeError, RecursionError):
+        pass
     out = []
     for index, (lineno, line) in enumerate(lines):
         try:
