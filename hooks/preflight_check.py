@@ -40,10 +40,11 @@ an fp32 copy). Rounding G(A) moves each element by at most u of itself, rounding
 that sum, and the last subtraction only scales the difference D by (1 +- u); so the measured |D| is off by at
 most u (|G(A)| + |G(A) + G(B)| + |D|) <= u (sqrt(5) + r) sqrt(|G(A)|^2 + |G(B)|^2), i.e. the ratio r judged
 moves by at most (sqrt(5) + r) u: under 2.3 of the 8 units where it matters. A correct model keeps passing
-while its own round-off stays below 5.7 units (on the H200 it is below 1), and an overwritten or lost gradient
-(r = 0.7 to 1, or a slice of one fused weight: one expert of 64 measured 0.06-0.08 in the CPU test) stays out
-by far more. With one micro-batch (2 G(A) - G(A,A)) the bound is (1 + r) u. The norms, the subsets (the fit and the
-repeat) and the zero test of G(A,B) read the wrapper's own gradients, unrounded.
+while its own round-off stays below 5.7 units (on the H200 it is below 1), an overwritten or lost gradient
+(r = 0.7 to 1) stays far out, and a bug in a slice of one fused weight (one expert of 64: r = 0.06-0.08 in the
+CPU test, tolerance 0.031) stays out by more than the rounding can move it. With one micro-batch
+(2 G(A) - G(A,A)) the bound is (1 + r) u. The norms, the subsets (the fit and the repeat) and the zero test of
+G(A,B) read the wrapper's own gradients, unrounded.
 
 It leaves no trace: gradient buffers are zeroed through the wrapper's own API (a plain module gets its own
 `.grad` tensors back), every weight it perturbs is restored bit for bit (and reinstalled through the wrapper),
@@ -59,13 +60,15 @@ returned (the same call from the same state); with `loss_fn` the base is evaluat
 run_microbatch's value is loss_fn's (a loss divided by the micro-batch count, or with an auxiliary loss added,
 would shift every forward difference by the same amount and could make a x2 gradient look right). Memory: the
 copy above (taken right after A, then the wrapper's own gradients are released) and, while the finite
-differences run, one copy of the largest group's weights plus FD_CHUNK elements of scratch: on the H200's
-64-expert layer (bf16, fp32 main_grad) 574 MiB above a training step's peak, 0.73x the 784 MiB of gradients
-(1.12x with the fp32 copy taken after the finite differences). The perturbations are a few multi-tensor
-launches per FD_CHUNK elements, not about ten per parameter; gradient reads stay on the device: three host syncs
-when it passes (the gradient and weight norms that size the perturbations, the forward differences, the one
-comparison at the end), one more for central differences and one for the repeat of A when something fails;
-never one per parameter.
+differences run, one copy of the largest group's weights plus FD_CHUNK elements of scratch. The perturbations
+are a few multi-tensor launches per FD_CHUNK elements, not about ten per parameter; gradient reads stay on the
+device: three host syncs when it passes (the gradient and weight norms that size the perturbations, the
+forward differences, the one comparison at the end), one more for central differences and one for the repeat
+of A when something fails; never one per parameter. On the H200's 64-expert layer (bf16, fp32 main_grad,
+Megatron-FSDP): 574 MiB above a training step's peak, 0.73x the 784 MiB of gradients; 3.8 training steps of
+wall time when it passes and 4.05 when it fails (medians of 30 rounds interleaved with steps, two sessions),
+most of it the passes, the forwards and the wrapper's own zero/finish/install calls (docs/gpu-evidence.md
+section 7).
 """
 
 from __future__ import annotations
