@@ -5,7 +5,7 @@ the sum of its micro-batches' gradients, before the long job.
     print(result)          # table, worst first; result.ok, result.to_dict(), result.records()
 
 `run_microbatch(model, batch)` is the training code's own forward and backward of one micro-batch (it calls
-`loss.backward()`; its return value is ignored unless `loss_fn` is missing); `loss_fn(model, batch)` returns
+`loss.backward()`; its return value is used only when `loss_fn` is missing); `loss_fn(model, batch)` returns
 the same loss without backward (for the finite differences); `batches` gives micro-batches A and B (one is
 enough; an iterator is advanced by two). The model must already be wrapped (Megatron-FSDP, Megatron DDP,
 torch FSDP2, or none); the gradients judged are the ones the optimizer would read after the wrapper's grad
@@ -19,8 +19,9 @@ Two independent laws, per parameter:
   2 G(A) instead.
 - Agreement with an independent estimate: a constant error (TE's `BasicLinear` returning main_grad as the
   autograd gradient doubles it) keeps linearity, so each parameter group's gradient is compared with finite
-  differences of the loss of A along the group's own reported gradient: L(w+d) - L(w) against <G, d> (d
-  rounded to the dtype the forward computes with first, |d| = `fd_eps` x |w|), and where that disagrees, the
+  differences of the loss of A along the group's own reported gradient (preflight's copy of it, below):
+  L(w+d) - L(w) against <G, d> (d rounded to the dtype the forward computes with first, |d| = `fd_eps` x |w|
+  per parameter), and where that disagrees, the
   central (L(w+d) - L(w-d)) / 2, which has no second-order term, decides. A factor outside [1/(1+r), 1+r] is
   `grad_scaled`; a zero gradient where the loss changes is `grad_lost`. Groups: one per fused-wgrad kind and
   parent module type (attention's TE linears, an MLP's fused ops, the experts), one for everything plain
@@ -32,6 +33,19 @@ loss's round-off (the compute dtype's unit / 64 of the loss) and within r = `fd_
 1.4 either way, so x2, x0.5 and x0 are far outside, while the worst error of a correct bf16 model measured on
 the H200, 21% on a small GPT's embeddings and norms, is not).
 
+The copy preflight compares with (G(A), then G(A) + G(B), minus G(A,B) in place) needs no more precision than
+that tolerance: it is kept rounded to `copy_dtype`, the narrowest of bf16 and fp32 whose unit round-off u is at
+most 1/8 of the tolerance (bf16 for an fp32 main_grad of bf16 parameters: half the bytes; fp32 parameters keep
+an fp32 copy). Rounding G(A) moves each element by at most u of itself, rounding G(A) + G(B) by at most u of
+that sum, and the last subtraction only scales the difference D by (1 +- u); so the measured |D| is off by at
+most u (|G(A)| + |G(A) + G(B)| + |D|) <= u (sqrt(5) + r) sqrt(|G(A)|^2 + |G(B)|^2), i.e. the ratio r judged
+moves by at most (sqrt(5) + r) u: under 2.3 of the 8 units where it matters. A correct model keeps passing
+while its own round-off stays below 5.7 units (on the H200 it is below 1), an overwritten or lost gradient
+(r = 0.7 to 1) stays far out, and a bug in a slice of one fused weight (one expert of 64: r = 0.06-0.08 in the
+CPU test, tolerance 0.031) stays out by more than the rounding can move it. With one micro-batch
+(2 G(A) - G(A,A)) the bound is (1 + r) u. The norms, the subsets (the fit and the repeat) and the zero test of
+G(A,B) read the wrapper's own gradients, unrounded.
+
 It leaves no trace: gradient buffers are zeroed through the wrapper's own API (a plain module gets its own
 `.grad` tensors back), every weight it perturbs is restored bit for bit (and reinstalled through the wrapper),
 module buffers are copied back, every random generator it knows of is set back to the state it found
@@ -40,12 +54,21 @@ caller's random state, so dropout repeats exactly; randomness preflight cannot r
 `grad_nondeterministic`, never as an accumulation verdict.
 
 Cost: four micro-batch forward+backward passes (two steps of two micro-batches; five when something fails) and
-one forward pass per finite-difference group plus one (and one more per group whose forward difference
-disagrees). Memory: one copy of the gradients (G(A), then G(A) + G(B)), or, while the finite differences run
-before it is taken, one copy of the largest group's weights. Gradient
-reads stay on the device: three host syncs when it passes (the gradient and weight norms that size the
-perturbations, the forward differences, the one comparison at the end), one more for central differences and
-one for the repeat of A when something fails; never one per parameter.
+one forward pass per finite-difference group plus one for the base L(w) (and one more per group whose forward
+difference disagrees). Without `loss_fn` the evaluations are run_microbatch calls and the base is what A alone
+returned (the same call from the same state); with `loss_fn` the base is evaluated, since nothing shows that
+run_microbatch's value is loss_fn's (a loss divided by the micro-batch count, or with an auxiliary loss added,
+would shift every forward difference by the same amount and could make a x2 gradient look right). Memory: the
+copy above (taken right after A, then the wrapper's own gradients are released) and, while the finite
+differences run, one copy of the largest group's weights plus FD_CHUNK elements of scratch. The perturbations
+are a few multi-tensor launches per FD_CHUNK elements, not about ten per parameter; gradient reads stay on the
+device: three host syncs when it passes (the gradient and weight norms that size the perturbations, the
+forward differences, the one comparison at the end), one more for central differences and one for the repeat
+of A when something fails; never one per parameter. On the H200's 64-expert layer (bf16, fp32 main_grad,
+Megatron-FSDP): 574 MiB above a training step's peak, 0.73x the 784 MiB of gradients; 3.8 training steps of
+wall time when it passes and 4.05 when it fails (medians of 30 rounds interleaved with steps, two sessions),
+most of it the passes, the forwards and the wrapper's own zero/finish/install calls (docs/gpu-evidence.md
+section 7).
 """
 
 from __future__ import annotations
@@ -69,6 +92,7 @@ from maingrad.hooks.preflight_state import BufferState, RngPair, RngState
 from maingrad.hooks.preflight_wrappers import Adapter, Entry, choose, normalize_name
 
 SUBSET = 4096  # elements per parameter kept for the decomposition G(A,B) ~ a G(A) + b G(B) and the repeat
+FD_CHUNK = 1 << 24  # elements moved per step of a finite-difference perturbation (64 MiB of fp32 scratch)
 FIT_TOL = 0.15  # |a|, |b - 1| below this: "keeps the last micro-batch only"
 FD_GROUPS: tuple[str, ...] = ("mechanism", "module_type", "param")
 _DIGITS = re.compile(r"\d+")
@@ -81,6 +105,19 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     if dtype.is_floating_point:
         return float(torch.finfo(dtype).eps) / 2
     return 0.0
+
+
+def copy_dtype(grad_dtype: torch.dtype, tolerance: float) -> torch.dtype:
+    """The dtype preflight keeps its copy of a gradient in: the narrowest of bf16 and fp32 (both with fp32's
+    exponent range, so nothing a finite fp32 norm allows overflows) whose unit round-off is at most 1/8 of the
+    linearity tolerance, else the gradient's own dtype. With the default tolerance (8 units of the least
+    precise of the gradient's and parameter's dtypes) an fp32 main_grad of bf16 parameters is kept in bf16."""
+    if not grad_dtype.is_floating_point:
+        return grad_dtype
+    for dtype in (torch.bfloat16, torch.float32):
+        if dtype.itemsize < grad_dtype.itemsize and 8 * unit_roundoff(dtype) <= tolerance:
+            return dtype
+    return grad_dtype
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -471,17 +508,48 @@ class _Subsets:
         self.row_of = {i: r for rows in self.rows.values() for r, i in enumerate(rows)}
         self.names = [e.name for e in entries]
         self.mats: dict[str, dict[torch.device, torch.Tensor]] = {}
+        self._picks: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._index: dict[tuple[torch.device, tuple[tuple[int, int], ...]], torch.Tensor] = {}
 
-    def take(self, key: str, flats: list[torch.Tensor | None]) -> None:
-        mats = self.mats[key] = {d: torch.zeros(len(r), SUBSET, device=d) for d, r in self.rows.items()}
-        for i, f in enumerate(flats):
-            if f is None:
-                continue
-            n = f.numel()
+    def pick(self, i: int, n: int) -> tuple[int, int, int]:
+        """(offset, stride, count) of parameter i's subset of its n gradient elements."""
+        key = (i, n)
+        if key not in self._picks:
             stride = max(1, n // SUBSET)
             offset = (sum(self.names[i].encode()) % stride) if stride > 1 else 0
-            view = f[offset::stride][:SUBSET]
-            mats[f.device][self.row_of[i], : view.numel()].copy_(view)
+            self._picks[key] = (offset, stride, min(SUBSET, max(0, n - offset + stride - 1) // stride))
+        return self._picks[key]
+
+    def take(self, key: str, flats: list[torch.Tensor | None]) -> None:
+        """Every subset of this run into its row: one strided view per parameter, then one concatenation and
+        one indexed copy per device (the positions cached per set of present parameters)."""
+        mats = self.mats[key] = {}
+        for device, rows in self.rows.items():
+            mat = mats[device] = torch.zeros(len(rows), SUBSET, device=device)
+            picks: list[torch.Tensor] = []
+            spans: list[tuple[int, int]] = []
+            for i in rows:
+                f = flats[i]
+                if f is None:
+                    continue
+                offset, stride, count = self.pick(i, f.numel())
+                picks.append(f[offset : offset + stride * count : stride])
+                spans.append((self.row_of[i], count))
+            if picks:
+                values = torch.cat(picks).to(mat.dtype)
+                mat.view(-1).index_copy_(0, self.positions(device, tuple(spans)), values)
+
+    def positions(self, device: torch.device, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """Flat positions in a run's matrix of the (row, count) spans, in order."""
+        index = self._index.get((device, spans))
+        if index is None:
+            starts = torch.tensor([row * SUBSET for row, _ in spans], dtype=torch.long)
+            counts = torch.tensor([count for _, count in spans], dtype=torch.long)
+            first = torch.cumsum(counts, 0) - counts  # where each span starts in the concatenation
+            within = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
+            index = (torch.repeat_interleave(starts, counts) + within).to(device)
+            self._index[(device, spans)] = index
+        return index
 
     def dots(
         self, stats: _Stats, pairs: Sequence[tuple[str, str, str]], only: Sequence[int] | None = None
@@ -497,6 +565,39 @@ class _Subsets:
                 b = a if k2 == k1 else self.mats[k2][device].index_select(0, index)
                 values = ((a - b) ** 2).sum(1) if name == "rep2" else (a * b).sum(1)
                 stats.add(name, select, values)
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Exact copies of `tensors`, as views of one buffer per device and dtype (one allocation and one
+    multi-tensor copy each, instead of one clone per tensor)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for j, t in enumerate(tensors):
+        kinds.setdefault((t.device, t.dtype), []).append(j)
+    for (device, dtype), members in kinds.items():
+        counts = [tensors[j].numel() for j in members]
+        views = torch.empty(sum(counts), dtype=dtype, device=device).split(counts)
+        shaped = [
+            v if tensors[j].dim() == 1 else v.view(tensors[j].shape)
+            for v, j in zip(views, members, strict=True)
+        ]
+        torch._foreach_copy_(shaped, [tensors[j] for j in members])
+        for v, j in zip(shaped, members, strict=True):
+            out[j] = v
+    return cast(list[torch.Tensor], out)
+
+
+def _chunks(items: list[int], counts: list[int], limit: int) -> list[list[int]]:
+    """`items` in order, cut into runs whose counts add up to at most `limit` (an item over it alone)."""
+    out: list[list[int]] = []
+    total = 0
+    for item, n in zip(items, counts, strict=True):
+        if not out or total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += n
+    return out
 
 
 def _some(tensors: Sequence[torch.Tensor | None], indexes: Sequence[int]) -> list[torch.Tensor]:
@@ -569,6 +670,9 @@ class _Preflight:
         self.subsets = _Subsets(entries)
         self.present: dict[str, set[int]] = {}
         self.copy: list[torch.Tensor | None] = [None] * len(entries)
+        self.copy_bytes = 0
+        self.copy_dtypes: set[str] = set()
+        self.first_loss: Any = None  # what run_microbatch returned for micro-batch A alone
         self.rng = RngState(rng_states)  # the caller's random state: every micro-batch starts from it
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
@@ -596,6 +700,17 @@ class _Preflight:
         self.syncs += 1
         return self.stats.host(keys)
 
+    def tolerance(self, i: int, grad_dtype: torch.dtype) -> float:
+        """The linearity tolerance of parameter i: 8 units of round-off of the least precise of the gradient's,
+        the compute and the optimizer parameter's dtypes (at least 4e-6), or the caller's rtol."""
+        e = self.entries[i]
+        u = max(
+            unit_roundoff(grad_dtype),
+            unit_roundoff(self.adapter.compute_dtype(e)),
+            unit_roundoff(e.opt_param.dtype),
+        )
+        return self.rtol if self.rtol is not None else max(8 * u, 4e-6)
+
     # -- running micro-batches ---------------------------------------------------------------------------------
     def _run(self, key: str, batches: Sequence[Any]) -> list[torch.Tensor | None]:
         """Zero, run the micro-batches from the saved random state each, finish the sync; the flattened
@@ -605,8 +720,10 @@ class _Preflight:
         self.adapter.zero()
         for batch in batches:
             self.rng.apply()
-            self.run_microbatch(self.model, batch)
+            loss = self.run_microbatch(self.model, batch)
             self.passes += 1
+            if key == "A" and self.loss_fn is None:  # the finite differences' base value
+                self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         self.adapter.finish()
         flats: list[torch.Tensor | None] = []
         for e in self.entries:
@@ -631,10 +748,13 @@ class _Preflight:
             loss = self.run_microbatch(self.model, batch)
             self.adapter.finish()
             self.passes += 1
-            if loss is None:
-                raise ValueError(
-                    "finite differences need the loss: pass loss_fn=, or return the loss from run_microbatch"
-                )
+        return self._as_loss(loss)
+
+    def _as_loss(self, loss: Any) -> torch.Tensor:
+        if loss is None:
+            raise ValueError(
+                "finite differences need the loss: pass loss_fn=, or return the loss from run_microbatch"
+            )
         if not isinstance(loss, torch.Tensor):
             loss = torch.tensor(float(loss))
         return self.dist.mean_loss(loss)
@@ -648,13 +768,27 @@ class _Preflight:
                 self.results[i].dtype = str(f.dtype)
         return flats
 
+    def copy_dtype(self, i: int, grad_dtype: torch.dtype) -> torch.dtype:
+        return copy_dtype(grad_dtype, self.tolerance(i, grad_dtype))
+
     def keep_copy(self, flats: list[torch.Tensor | None]) -> None:
-        """The one copy of the gradients preflight holds: G(A), then G(A) + G(B). Taken after the finite
-        differences (which perturb weights while the wrapper still holds G(A)), so the two never coexist."""
-        idx = [i for i, f in enumerate(flats) if f is not None]
-        live = _some(flats, idx)
-        for i, c in zip(idx, torch._foreach_mul(live, 1.0) if live else [], strict=True):
-            self.copy[i] = c
+        """The one copy of the gradients preflight holds: G(A), then G(A) + G(B), rounded to `copy_dtype` (bf16
+        for an fp32 main_grad of bf16 parameters: half the gradients' bytes), in one buffer per device and
+        dtype. Taken right after A; the finite differences then move the weights along it while the wrapper's
+        own gradients are released."""
+        by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, f in enumerate(flats):
+            if f is not None:
+                by_kind.setdefault((f.device, self.copy_dtype(i, f.dtype)), []).append(i)
+        for (device, dtype), idx in by_kind.items():
+            live = _some(flats, idx)
+            flat = torch.empty(sum(f.numel() for f in live), dtype=dtype, device=device)
+            views = list(flat.split([f.numel() for f in live]))
+            torch._foreach_copy_(views, live)  # rounds to the copy's dtype (to nearest)
+            self.copy_bytes += flat.numel() * flat.element_size()
+            self.copy_dtypes.add(str(dtype))
+            for i, view in zip(idx, views, strict=True):
+                self.copy[i] = view
 
     def run_rest(self) -> None:
         """B alone, then A and B together (one batch: A twice), each compared with the copy in place."""
@@ -664,10 +798,14 @@ class _Preflight:
             flats = self._run("B", [b])
             fresh = [i for i in self.present["B"] if copy[i] is None]
             for i in fresh:
-                copy[i] = cast(torch.Tensor, flats[i]).clone()
+                f = cast(torch.Tensor, flats[i])
+                dtype = self.copy_dtype(i, f.dtype)
+                copy[i] = f.to(dtype, copy=True)
+                self.copy_bytes += f.numel() * dtype.itemsize
+                self.copy_dtypes.add(str(dtype))
             both = [i for i in self.present["B"] if i not in fresh]
             if both:
-                torch._foreach_add_(_some(copy, both), _some(flats, both))  # G(A) + G(B)
+                torch._foreach_add_(_some(copy, both), _some(flats, both))  # G(A) + G(B), rounded once
             del flats
             flats = self._run("AB", [self.batches[0], b])
         else:
@@ -715,7 +853,12 @@ class _Preflight:
                 continue  # a non-finite gradient has no direction to probe
             groups.setdefault((r.group, not gnorm > 0.0), []).append(i)
         a = self.batches[0]
-        base = self._loss(a)
+        if self.loss_fn is None and self.first_loss is not None:
+            # run_microbatch is the loss: A alone ran it from these weights, zeroed buffers and random state,
+            # exactly what evaluating the base would repeat
+            base = self._as_loss(self.first_loss)
+        else:
+            base = self._loss(a)
         out: list[FdGroup] = []
         evaluations = []
         for (key, zero), indexes in groups.items():
@@ -753,37 +896,106 @@ class _Preflight:
         self, indexes: list[int], grads: list[torch.Tensor | None], zero: bool, sizes: dict, sign: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss of A with the group's weights moved by sign x d, and <G, the move the forward computed with>;
-        the weights are restored (bit for bit) before returning, installed by the next commit."""
+        the weights are restored (bit for bit, from one saved buffer per device and dtype) before returning,
+        installed by the next commit."""
         adapter = self.adapter
         targets = [adapter.target(self.entries[i]) for i in indexes]
-        saved = [t.clone() for t in targets]
-        dots = []
+        flat = [t.view(-1) for t in targets] if all(t.is_contiguous() for t in targets) else None
+        with torch.no_grad():
+            saved = _copies(flat if flat is not None else targets)
+        pred: torch.Tensor | None = None
         try:
             with torch.no_grad():
-                for i, t, orig in zip(indexes, targets, saved, strict=True):
+                for j, i in enumerate(indexes):
                     g = grads[i]
-                    size = max(sizes["tnorm"][i], math.sqrt(t.numel()) * 2.0**-7) * self.fd_eps
-                    if zero or g is None:
+                    if zero or g is None:  # a random +-1 direction
+                        t = targets[j]
                         gen = torch.Generator(device=t.device).manual_seed(1009 + i)
                         d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
-                        t.add_(d, alpha=sign * size / math.sqrt(max(t.numel(), 1)))
+                        t.add_(d, alpha=sign * self._step(i, t, sizes) / math.sqrt(max(t.numel(), 1)))
                         del d
-                        continue
-                    t.add_(g.reshape(t.shape), alpha=sign * size / sizes["gnorm"][i])
-                    cdt = adapter.compute_dtype(self.entries[i])
-                    if cdt == t.dtype:
-                        moved = t.float() - orig.float()
+                if not zero:
+                    if flat is not None:
+                        pred = self._move(indexes, flat, saved, grads, sizes, sign)
                     else:
-                        moved = t.to(cdt).float() - orig.to(cdt).float()
-                    dots.append(torch.dot(g.reshape(-1).float(), moved.reshape(-1)))
-                    del moved
+                        pred = self._move_each(indexes, targets, saved, grads, sizes, sign)
             adapter.commit()
             loss = self._loss(self.batches[0])
         finally:
             with torch.no_grad():
-                torch._foreach_copy_(targets, saved)
-        pred = torch.stack(dots).sum() if dots else torch.zeros((), device=targets[0].device)
+                torch._foreach_copy_(flat if flat is not None else targets, saved)
+        if pred is None:
+            pred = torch.zeros((), device=targets[0].device)
         return loss, pred
+
+    def _step(self, i: int, t: torch.Tensor, sizes: dict) -> float:
+        """|d| for parameter i: fd_eps x its weights' norm (at least sqrt(numel) x 2^-7)."""
+        return max(sizes["tnorm"][i], math.sqrt(t.numel()) * 2.0**-7) * self.fd_eps
+
+    def _move(
+        self,
+        indexes: list[int],
+        flat: list[torch.Tensor],
+        saved: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        sizes: dict,
+        sign: float,
+    ) -> torch.Tensor:
+        """t_i += sign x |d_i| / |g_i| x g_i for the group's (flattened) weights, and <G, the move rounded to the
+        dtype the forward computes with>, as a few multi-tensor launches per FD_CHUNK elements instead of about
+        ten launches per parameter; the scratch is at most FD_CHUNK elements in fp32 and in the compute dtype."""
+        kinds: dict[tuple[torch.device, torch.dtype, torch.dtype], list[int]] = {}
+        for j, i in enumerate(indexes):
+            t = flat[j]
+            kinds.setdefault((t.device, t.dtype, self.adapter.compute_dtype(self.entries[i])), []).append(j)
+        parts: list[torch.Tensor] = []
+        for (device, dtype, cdt), members in kinds.items():
+            for chunk in _chunks(members, [flat[j].numel() for j in members], FD_CHUNK):
+                ts, old = [flat[j] for j in chunk], [saved[j] for j in chunk]
+                gs = [cast(torch.Tensor, grads[indexes[j]]) for j in chunk]
+                alphas = [
+                    sign * self._step(indexes[j], flat[j], sizes) / sizes["gnorm"][indexes[j]] for j in chunk
+                ]
+                counts = [t.numel() for t in ts]
+                scratch = torch.empty(sum(counts), dtype=torch.float32, device=device)
+                moved = list(scratch.split(counts))
+                torch._foreach_copy_(moved, gs)
+                torch._foreach_mul_(moved, alphas)
+                torch._foreach_add_(ts, moved)  # the weights move (in their own dtype)
+                if cdt == dtype:  # the move as the forward sees it: t' - t, in fp32
+                    torch._foreach_copy_(moved, ts)
+                    torch._foreach_sub_(moved, old)
+                else:  # rounded to the compute dtype first: c(t') - c(t)
+                    low = list(torch.empty(sum(counts), dtype=cdt, device=device).split(counts))
+                    torch._foreach_copy_(low, ts)
+                    torch._foreach_copy_(moved, low)
+                    torch._foreach_copy_(low, old)
+                    torch._foreach_sub_(moved, low)
+                    del low
+                torch._foreach_mul_(moved, gs)
+                parts.append(scratch.sum(dtype=torch.float64))
+                del moved, scratch
+        return torch.stack([p.to(parts[0].device) for p in parts]).sum()
+
+    def _move_each(
+        self,
+        indexes: list[int],
+        targets: list[torch.Tensor],
+        saved: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        sizes: dict,
+        sign: float,
+    ) -> torch.Tensor:
+        """`_move` one parameter at a time, for weights that are not contiguous (cannot be flattened)."""
+        dots = []
+        for j, i in enumerate(indexes):
+            t, orig, g = targets[j], saved[j], cast(torch.Tensor, grads[i])
+            t.add_(g.reshape(t.shape), alpha=sign * self._step(i, t, sizes) / sizes["gnorm"][i])
+            cdt = self.adapter.compute_dtype(self.entries[i])
+            moved = t.to(cdt).float() - orig.to(cdt).float()  # .to(cdt) is t itself when t is in cdt already
+            dots.append(torch.dot(g.reshape(-1).float(), moved.reshape(-1)).double())
+            del moved
+        return torch.stack(dots).sum()
 
 
 def preflight(
@@ -811,7 +1023,8 @@ def preflight(
     run_microbatch(model, batch): forward + backward of one micro-batch, as in training.
     batches: micro-batches A and B (the first two are taken; one gives the "A twice" law instead).
     loss_fn(model, batch): the loss without backward, for the finite differences (without it they call
-    run_microbatch and read its return value: one backward more per evaluation).
+    run_microbatch and read its return value: one backward more per evaluation; the base value is then what
+    micro-batch A alone returned).
     wrapper: "auto" (duck typing), "megatron-fsdp", "megatron-ddp", "fsdp2", "plain", or an Adapter.
     params: fnmatch patterns over parameter names (wrapper prefixes `module.` removed) to judge; default all.
     finite_differences: compare with the loss's central differences (the scale check); fd_groups: "mechanism"
@@ -895,32 +1108,29 @@ def _execute(check: _Preflight) -> PreflightResult:
 
     try:
         live = check.run_a()
+        check.keep_copy(live)  # the (rounded) copy of G(A): the finite differences' directions too
+        del live
+        adapter.zero()  # releases the wrapper's own G(A) (Megatron-FSDP, plain .grad) while the weights move
         lap("runs")
-        if (
-            check.loss_fn is None
-        ):  # evaluations run backward into the wrapper's buffers: directions from a copy
-            check.keep_copy(live)
-            live = list(check.copy)
         if check.finite_differences:
-            present = [i for i, f in enumerate(live) if f is not None]
+            directions = list(check.copy)
+            present = [i for i, f in enumerate(directions) if f is not None]
             values: list[float] = []
             if present:  # sync 1: the perturbations' sizes
-                norms = _norms(_some(live, present) + [adapter.target(check.entries[i]) for i in present])
-                values = norms.double().cpu().tolist()
+                targets = [adapter.target(check.entries[i]) for i in present]
+                values = _norms(_some(directions, present) + targets).double().cpu().tolist()
             check.syncs += 1
-            n = len(live)
+            n = len(directions)
             sizes = {"gnorm": [0.0] * n, "tnorm": [0.0] * n}
             for j, i in enumerate(present):
                 sizes["gnorm"][i] = values[j]
                 sizes["tnorm"][i] = values[len(present) + j]
-            for i, f in enumerate(live):
+            for i, f in enumerate(directions):
                 if f is None:
                     sizes["tnorm"][i] = float(_norm(adapter.target(check.entries[i])))
-            groups = check.fd(live, sizes)
+            groups = check.fd(directions, sizes)
+            del directions
             lap("finite_differences")
-        if check.loss_fn is not None:
-            check.keep_copy(live)
-        del live
         check.run_rest()
         lap("runs")
         tolerances = _classify(check, groups)
@@ -959,6 +1169,7 @@ def _execute(check: _Preflight) -> PreflightResult:
         "fd_groups": len(groups),
         "params": len(check.entries),
         "host_syncs": check.syncs,
+        "copy_bytes": check.copy_bytes,
         "seconds_by_part": {k: round(v, 4) for k, v in timings.items()},
     }
     return PreflightResult(
@@ -1021,12 +1232,7 @@ def _classify(check: _Preflight, groups: list[FdGroup]) -> dict[str, Any]:
         r.has_main_grad = hasattr(raw, "main_grad")
         r.is_fsdp_param = hasattr(raw, "__fsdp_param__")
         grad_dtype = getattr(torch, r.dtype.replace("torch.", ""), e.opt_param.dtype)
-        u = max(
-            unit_roundoff(grad_dtype),
-            unit_roundoff(check.adapter.compute_dtype(e)),
-            unit_roundoff(e.opt_param.dtype),
-        )
-        tol = check.rtol if check.rtol is not None else max(8 * u, 4e-6)
+        tol = check.tolerance(i, grad_dtype)
         r.tolerance = tol
         raw_values = [get(k, i) for k in ("nA2", "nB2", "nAB2", "d2", "dl2")]
         nA2, nB2, nAB2, d2, dl2 = (max(x, 0.0) if x is not None else 0.0 for x in raw_values)
@@ -1088,6 +1294,10 @@ def _classify(check: _Preflight, groups: list[FdGroup]) -> dict[str, Any]:
         "fd_floor": "|loss| x unit round-off of the compute dtype / 64",
         "fd_method": "forward differences, confirmed by central differences wherever they disagree",
         "subset": SUBSET,
+        "copy": "G(A), then G(A) + G(B), kept rounded to the narrowest of bf16 and fp32 whose unit round-off is "
+        "at most 1/8 of the tolerance: it moves |G(A,B) - G(A) - G(B)| / |(G(A), G(B))| by at most "
+        "(sqrt(5) + that ratio) of its units",
+        "copy_dtypes": sorted(check.copy_dtypes),
     }
 
 

@@ -34,7 +34,11 @@ def normalize_name(name: str) -> str:
 
 
 def _local(tensor: Any) -> Any:
-    """The local shard of a DTensor; anything else unchanged."""
+    """The local shard of a DTensor (its `_local_tensor`, the storage `to_local()` returns a view of, without
+    `to_local()`'s autograd call: 5-7 us each on a CPU, per parameter and run); anything else unchanged."""
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
 

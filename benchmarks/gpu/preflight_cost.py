@@ -3,22 +3,32 @@
 megatron-core's fused TEGroupedMLP layer of benchmarks/gpu/moe_overhead.py (64 experts, hidden 1024, ffn 1024,
 4096 tokens per micro-batch, 2 micro-batches, bf16, Megatron-FSDP, one GPU), built by tests/gpu/mcore_hooks.py.
 Per strategy (STRATEGIES, default no_shard and optim_grads_params):
-- one training step (zero_grad_buffer -> 2 x forward/backward -> finish_grad_sync): the median wall time of STEPS
-  steps after WARMUP, each ended by a device sync, and its peak memory above the memory held after
-  zero_grad_buffer() (Megatron-FSDP's optimizer-side fp32 gradients are freed there and made again by
+- one training step (zero_grad_buffer -> 2 x forward/backward -> finish_grad_sync): the median wall time of the
+  steps measured (each ended by a device sync; WARMUP steps before), and its peak memory above the memory held
+  after zero_grad_buffer() (Megatron-FSDP's optimizer-side fp32 gradients are freed there and made again by
   finish_grad_sync, in a step as in preflight);
-- preflight (default settings, loss_fn given): the wall time of REPEATS calls after one warm-up call, and its
-  peak memory above the same base;
+- preflight (default settings, loss_fn given): the median wall time of REPEATS calls after one warm-up call, and
+  its peak memory above the same base;
+- steps and calls interleaved: REPEATS rounds of STEPS steps then one preflight call, so that a drift of the
+  machine's speed (seen between sessions: the same step 54-93 ms) hits both alike; each round's own ratio is
+  printed too;
 - reported: preflight time / step time (target <= 4), (preflight peak - step peak) / the bytes of the gradients
   the optimizer reads (target <= 1), the passes preflight ran, and whether the model's weights and the loss of a
   forward are bit-identical before and after preflight (it must leave no trace).
 
+With PHASES=1 (default) one more, untimed call per strategy runs with every part of preflight wrapped in
+device syncs: a PHASE line per part (calls, milliseconds including the syncs, peak memory above the base while
+it ran, memory held when it ended); PROFILE=1 adds one more untimed call under cProfile (the 25 functions with
+the most time of their own).
+
 usage (GPU machine): PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19 python3 benchmarks/gpu/preflight_cost.py
-env: EXPERTS (64), HIDDEN (1024), FFN (1024), TOKENS (4096), STRATEGIES, STEPS (10), WARMUP (3), REPEATS (3)
+env: EXPERTS (64), HIDDEN (1024), FFN (1024), TOKENS (4096), STRATEGIES, STEPS (4 per round), WARMUP (3),
+REPEATS (5 rounds), PHASES (1), PROFILE (0)
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
@@ -40,10 +50,12 @@ E = int(os.environ.get("EXPERTS", "64"))
 H = int(os.environ.get("HIDDEN", "1024"))
 FFN = int(os.environ.get("FFN", "1024"))
 TOKENS = int(os.environ.get("TOKENS", "4096"))
-STEPS = int(os.environ.get("STEPS", "10"))
+STEPS = int(os.environ.get("STEPS", "4"))
 WARMUP = int(os.environ.get("WARMUP", "3"))
-REPEATS = int(os.environ.get("REPEATS", "3"))
+REPEATS = int(os.environ.get("REPEATS", "5"))
 STRATEGIES = os.environ.get("STRATEGIES", "no_shard,optim_grads_params").split(",")
+PHASES = os.environ.get("PHASES", "1") == "1"
+PROFILE = os.environ.get("PROFILE", "0") == "1"
 
 
 def say(*args: object) -> None:
@@ -90,6 +102,95 @@ def grad_bytes(model) -> int:
     return total
 
 
+MISSING = object()
+
+
+class Phases:
+    """Wraps preflight's parts (methods of its check, adapter and state objects) in device syncs; per part
+    name: calls, inclusive milliseconds, the peak memory above `base` while it ran (nested parts included) and
+    the memory held when it last ended."""
+
+    PARTS = {
+        "maingrad.hooks.preflight_check._Preflight": (
+            "__init__", "run_a", "keep_copy", "fd", "_fd_eval", "_loss", "run_rest", "repeat", "_run", "host",
+        ),
+        "maingrad.hooks.preflight_check": ("_classify", "_execute"),
+        "maingrad.hooks.preflight_state.BufferState": ("__init__", "restore"),
+        "maingrad.hooks.preflight_state.RngState": ("__init__", "apply"),
+        "maingrad.hooks.preflight_wrappers.MegatronFsdpAdapter": ("zero", "finish", "prepare", "commit"),
+        "maingrad.hooks.preflight_wrappers.Adapter": ("__init__",),
+    }  # fmt: skip
+
+    def __init__(self) -> None:
+        self.stats: dict[str, list[float]] = {}
+        self.stack: list[list[float]] = []
+        self.saved: list[tuple[object, str, object]] = []
+        self.base = 0
+
+    def _wrap(self, owner: object, attr: str, label: str) -> None:
+        original = getattr(owner, attr, None)
+        if original is None or not callable(original):
+            return
+        phases = self
+
+        def wrapped(*args, **kwargs):
+            phases.enter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                phases.leave(label)
+
+        self.saved.append((owner, attr, vars(owner).get(attr, MISSING)))
+        setattr(owner, attr, wrapped)
+
+    def install(self) -> None:
+        import importlib
+
+        for path, attrs in self.PARTS.items():
+            module_path, _, cls = path.rpartition(".")
+            try:
+                module = importlib.import_module(path)
+                owner, prefix = module, path.rsplit(".", 1)[-1] + "."
+            except ImportError:
+                owner, prefix = getattr(importlib.import_module(module_path), cls), cls + "."
+            for attr in attrs:
+                self._wrap(owner, attr, prefix + attr)
+
+    def uninstall(self) -> None:
+        for owner, attr, original in reversed(self.saved):
+            if original is MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        self.saved.clear()
+
+    def enter(self) -> None:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        for frame in self.stack:
+            frame[1] = max(frame[1], peak)
+        torch.cuda.reset_peak_memory_stats()
+        self.stack.append([time.perf_counter(), torch.cuda.memory_allocated()])
+
+    def leave(self, label: str) -> None:
+        torch.cuda.synchronize()
+        start, peak = self.stack.pop()
+        peak = max(peak, torch.cuda.max_memory_allocated())
+        if self.stack:
+            self.stack[-1][1] = max(self.stack[-1][1], peak)
+        torch.cuda.reset_peak_memory_stats()
+        row = self.stats.setdefault(label, [0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += (time.perf_counter() - start) * 1e3
+        row[2] = max(row[2], (peak - self.base) / 2**20)
+        row[3] = (torch.cuda.memory_allocated() - self.base) / 2**20
+
+    def report(self, strategy: str) -> None:
+        for label, (calls, ms, peak, held) in self.stats.items():
+            say(f"PHASE {strategy}: {label:<28} x{int(calls):<3} {ms:8.2f} ms  peak +{peak:7.1f} MiB  "
+                f"held after +{held:7.1f} MiB")  # fmt: skip
+
+
 def measure(strategy: str) -> None:
     import mcore_hooks
 
@@ -106,49 +207,85 @@ def measure(strategy: str) -> None:
         train_step(model, data)
     torch.cuda.synchronize()
     gbytes = grad_bytes(model)
-    times, peaks = [], []
-    for _ in range(STEPS):
-        model.zero_grad_buffer()  # the base holds no gradient the optimizer reads (as before preflight)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        train_step(model, data)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        peaks.append(torch.cuda.max_memory_allocated() - base)
-    step = statistics.median(times)
-    step_peak = max(peaks)
     model.zero_grad_buffer()
     torch.cuda.synchronize()
     with torch.no_grad():
         loss_before = loss_fn(model, data[0]).item()
     before = weights(model)
-    results = []
-    pf_times, pf_peaks = [], []
-    for i in range(REPEATS + 1):
+
+    def timed(call) -> tuple[float, int]:
+        """Wall time and peak memory above the base of call(), from zeroed gradient buffers (the base holds no
+        gradient the optimizer reads, as before preflight)."""
+        model.zero_grad_buffer()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        result = preflight(model, run_microbatch, data, loss_fn=loss_fn, label=f"64 experts {strategy}")
+        call()
         torch.cuda.synchronize()
-        if i:  # the first call is a warm-up
-            pf_times.append(time.perf_counter() - t0)
-            pf_peaks.append(torch.cuda.max_memory_allocated() - base)
-        results.append(result)
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
+
+    results = []
+
+    def call() -> None:
+        results.append(
+            preflight(model, run_microbatch, data, loss_fn=loss_fn, label=f"64 experts {strategy}")
+        )
+
+    timed(call)  # warm-up
+    times, peaks, pf_times, pf_peaks, rounds = [], [], [], [], []
+    for _ in range(REPEATS):
+        round_times = []
+        for _ in range(STEPS):
+            t, peak = timed(lambda: train_step(model, data))
+            round_times.append(t)
+            peaks.append(peak)
+        t, peak = timed(call)
+        times += round_times
+        pf_times.append(t)
+        pf_peaks.append(peak)
+        rounds.append(t / statistics.median(round_times))
     after = weights(model)
     with torch.no_grad():
         loss_after = loss_fn(model, data[0]).item()
     same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    step, step_peak = statistics.median(times), max(peaks)
     pf = statistics.median(pf_times)
     pf_peak = max(pf_peaks)
     result = results[-1]
+    if PHASES:
+        phases = Phases()
+        phases.install()
+        torch.cuda.synchronize()
+        phases.base = torch.cuda.memory_allocated()
+        phases.stack = [[time.perf_counter(), phases.base]]
+        try:
+            preflight(model, run_microbatch, data, loss_fn=loss_fn)
+        finally:
+            phases.uninstall()
+        phases.leave("preflight (all)")
+        phases.report(strategy)
+    if PROFILE:
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        preflight(model, run_microbatch, data, loss_fn=loss_fn)
+        torch.cuda.synchronize()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        for line in text.getvalue().splitlines():
+            if line.strip():
+                say(f"PROFILE {strategy}: {line}")
     say(result.table())
     say(
-        f"RESULT {strategy}: step {step * 1e3:.1f} ms (median of {STEPS}, min {min(times) * 1e3:.1f}, max "
+        f"RESULT {strategy}: step {step * 1e3:.1f} ms (median of {len(times)}, min {min(times) * 1e3:.1f}, max "
         f"{max(times) * 1e3:.1f}); preflight {pf * 1e3:.1f} ms (median of {REPEATS}: "
-        f"{', '.join(f'{t * 1e3:.1f}' for t in pf_times)}) = {pf / step:.2f} steps; "
+        f"{', '.join(f'{t * 1e3:.1f}' for t in pf_times)}) = {pf / step:.2f} steps (per round: "
+        f"{', '.join(f'{r:.2f}' for r in rounds)}); "
         f"{result.cost['microbatch_passes']} passes + {result.cost['forward_passes']} forwards "
         f"({result.cost['fd_groups']} groups); status {result.status}; seconds by part "
         f"{result.cost['seconds_by_part']}"
@@ -162,7 +299,6 @@ def measure(strategy: str) -> None:
         f"TRACE {strategy}: weights bit-identical after {REPEATS + 1} preflights: {same}; loss of A before "
         f"{loss_before!r} after {loss_after!r} equal: {loss_before == loss_after}"
     )
-    del model
 
 
 def main() -> None:
@@ -176,6 +312,7 @@ def main() -> None:
         f"ffn {FFN}, {TOKENS} tokens x 2 micro-batches")  # fmt: skip
     for strategy in STRATEGIES:
         measure(strategy)
+        gc.collect()
         torch.cuda.empty_cache()
     torch.distributed.destroy_process_group()
 

@@ -1,0 +1,200 @@
+"""preflight's copy of the gradients, rounded to the precision the linearity tolerance uses.
+
+With bf16 parameters and an fp32 main_grad the tolerance is 8 units of bf16 round-off, and the copy of G(A)
+(then G(A) + G(B)) is kept in bf16: half the bytes. Rounding G(A), then the sum, adds at most
+(sqrt(5) + rel_sum) units of bf16 round-off to |G(A,B) - G(A) - G(B)| / |(G(A), G(B))| (the proof is in
+preflight_check.py's docstring); these tests run every verdict with the rounded copy and with a full-precision
+one (the old behaviour) and check that nothing but the bytes changes beyond that bound, including a bug
+confined to one expert's slice of a 64-expert grouped weight."""
+
+from __future__ import annotations
+
+import math
+import random
+import types
+
+import pytest
+import torch
+from emulators import DenseBlock, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
+
+from maingrad.hooks import preflight_check as preflight_module
+from maingrad.hooks.preflight_check import copy_dtype, preflight, unit_roundoff
+
+U = unit_roundoff(torch.bfloat16)
+
+
+def _bf16_batches(n: int = 2, tokens: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x.bfloat16(), t.bfloat16()) for x, t in dense_batches(n, tokens=tokens)]
+
+
+def _run(make, rounded: bool, monkeypatch: pytest.MonkeyPatch, n: int = 2, tokens: int = 16):
+    with monkeypatch.context() as m:
+        if not rounded:  # the copy in the gradient's own dtype, as before the rounding
+            m.setattr(preflight_module, "copy_dtype", lambda grad_dtype, tolerance: grad_dtype)
+        torch.manual_seed(0)
+        model = make()
+        return preflight(model, mse_microbatch, _bf16_batches(n, tokens), loss_fn=mse_loss)
+
+
+def _verdicts(result) -> dict[str, list[str]]:
+    return {p.name: p.anomalies for p in result.params if p.anomalies}
+
+
+class MainWeightsFSDP(MegatronFSDP):
+    """The Megatron-FSDP emulator with what it builds for a bf16 model: fp32 main weights as the optimizer's
+    parameters (their .grad the fp32 buffer), copied into the bf16 module weights by
+    install_optimized_model_weights()."""
+
+    def __init__(self, module: torch.nn.Module, strategy: str, **kwargs) -> None:
+        super().__init__(module, strategy, unit_types=(), data_parallel_size=1, **kwargs)
+        self.dist = {n: torch.nn.Parameter(self.raw[n].detach().float()) for n in self.names}
+        for name, param in self.dist.items():
+            param.__fsdp_param__ = True
+            param.orig_param = self.raw[name]
+        self._replace(self.dist)
+        self.param_and_grad_buffer = types.SimpleNamespace(optimizer_named_parameters=list(self.dist.items()))
+
+    def install_optimized_model_weights(self) -> None:
+        super().install_optimized_model_weights()
+        with torch.no_grad():
+            for name in self.names:
+                self.raw[name].copy_(self.dist[name])
+
+
+def _fsdp_bf16(middle: str, strategy: str, semantics: str = "main") -> MegatronFSDP:
+    return MainWeightsFSDP(DenseBlock(middle).to(torch.bfloat16), strategy, semantics=semantics)
+
+
+def test_copy_dtype_follows_the_tolerance() -> None:
+    bf16_tol = 8 * U  # fp32 main_grad, bf16 parameters: the default tolerance
+    assert copy_dtype(torch.float32, bf16_tol) == torch.bfloat16
+    fp16_tol = 8 * unit_roundoff(torch.float16)  # fp16 parameters: bf16 is too coarse
+    assert copy_dtype(torch.float32, fp16_tol) == torch.float32
+    assert copy_dtype(torch.float32, 4e-6) == torch.float32  # fp32 parameters
+    assert copy_dtype(torch.float64, 4e-6) == torch.float32
+    assert copy_dtype(torch.bfloat16, bf16_tol) == torch.bfloat16  # never wider than the gradient
+    assert copy_dtype(torch.float16, 1.0) == torch.float16  # never narrowed below the gradient's own
+    assert copy_dtype(torch.float32, 1e-3) == torch.float32  # a caller's rtol below 8 bf16 units
+
+
+CASES = {
+    "accumulates": (lambda: _fsdp_bf16("te", "no_shard"), {}),
+    "overwritten": (
+        lambda: _fsdp_bf16("te", "optim_grads_params"),
+        {"mid.weight": ["grad_overwritten"]},
+    ),
+    "overwritten+scaled": (
+        lambda: _fsdp_bf16("basic", "optim_grads_params"),
+        {"mid.weight": ["grad_overwritten", "grad_scaled"]},
+    ),
+    "lost": (lambda: _fsdp_bf16("guarded", "no_shard"), {"mid.weight": ["grad_lost"]}),
+    "megatron-linear": (
+        lambda: _fsdp_bf16("megatron", "no_shard", semantics="6773"),
+        {"mid.weight": ["grad_overwritten"]},
+    ),
+}
+
+
+@pytest.mark.parametrize("n", [2, 1], ids=["A,B", "A twice"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_rounded_copy_keeps_every_verdict(case: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    make, expected = CASES[case]
+    full = _run(make, False, monkeypatch, n=n)
+    rounded = _run(make, True, monkeypatch, n=n)
+    assert _verdicts(full) == expected, full.table()
+    assert _verdicts(rounded) == expected, rounded.table()
+    assert rounded.cost["copy_bytes"] * 2 == full.cost["copy_bytes"]  # fp32 main_grad kept in bf16
+    assert rounded.tolerances["copy_dtypes"] == ["torch.bfloat16"]
+    for p, q in zip(rounded.params, full.params, strict=True):
+        assert p.tolerance == q.tolerance == pytest.approx(8 * U)
+        if q.rel_sum is not None:  # the bound of the docstring
+            assert abs(p.rel_sum - q.rel_sum) <= U * (math.sqrt(5) + q.rel_sum) + 1e-7, p.name
+        if q.rel_twice is not None:
+            assert abs(p.rel_twice - q.rel_twice) <= U * (1 + q.rel_twice) + 1e-7, p.name
+        assert p.fit == q.fit and p.rel_repeat == q.rel_repeat  # from the subsets: untouched
+        if q.fd_scale is not None:  # the directions are the copy: within a bf16 unit or two of the same
+            assert p.fd_scale == pytest.approx(q.fd_scale, rel=0.02), p.name
+
+
+# -- a bug in one slice of one fused parameter ---------------------------------------------------------------------
+class _SliceWgrad(torch.autograd.Function):
+    """y = x_e W[e]^T per expert e (equal token splits); the fused wgrad writes every expert's slice of the ONE
+    grouped weight's main_grad by adding, except expert `bad`, whose slice it overwrites."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bad):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.weight = weight
+        ctx.bad = bad
+        xs = x.chunk(weight.shape[0])
+        return torch.cat([xi @ w.t() for xi, w in zip(xs, weight, strict=True)])
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        xs, dys = x.chunk(weight.shape[0]), dy.chunk(weight.shape[0])
+        dw = torch.stack([dyi.t().float() @ xi.float() for xi, dyi in zip(xs, dys, strict=True)])
+        weight.main_grad = weight.get_main_grad()  # Megatron-FSDP: a view of the persistent fp32 buffer
+        for e in range(weight.shape[0]):
+            if e == ctx.bad:
+                weight.main_grad[e].copy_(dw[e])
+            else:
+                weight.main_grad[e].add_(dw[e])
+        weight.grad_added_to_main_grad = True
+        dx = torch.cat([dyi @ w for dyi, w in zip(dys, weight, strict=True)])
+        return dx, torch.zeros_like(weight), None
+
+
+class GroupedExperts(torch.nn.Module):
+    def __init__(self, experts: int, hidden: int, bad: int | None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden, hidden) / math.sqrt(hidden))
+        self.bad = bad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SliceWgrad.apply(x, self.weight, self.bad)
+
+
+class SliceBlock(torch.nn.Module):
+    def __init__(self, bad: int | None, experts: int = 64, hidden: int = 8) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(hidden, hidden)
+        self.experts = GroupedExperts(experts, hidden, bad)
+        self.out = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.experts(self.inp(x))))
+
+
+@pytest.mark.parametrize("bad", [None, 0, 37])
+def test_one_overwritten_expert_of_64_in_one_grouped_weight(bad, monkeypatch: pytest.MonkeyPatch) -> None:
+    def make() -> MegatronFSDP:
+        return MainWeightsFSDP(SliceBlock(bad).to(torch.bfloat16), "no_shard")
+
+    full = _run(make, False, monkeypatch, tokens=128)  # 2 tokens per expert and micro-batch
+    rounded = _run(make, True, monkeypatch, tokens=128)
+    assert rounded.tolerances["copy_dtypes"] == ["torch.bfloat16"]
+    assert _verdicts(rounded) == _verdicts(full), rounded.table()
+    if bad is None:
+        assert rounded.ok, rounded.table()
+        return
+    assert set(_verdicts(rounded)) == {"experts.weight"}, rounded.table()
+    for result in (full, rounded):
+        p = next(p for p in result.params if p.name == "experts.weight")
+        # 1/64 of the weight is out: past the tolerance by more than the rounding could move it
+        assert p.rel_sum - U * (math.sqrt(5) + p.rel_sum) > p.tolerance, p.rel_sum
+
+
+def test_rounded_copy_leaves_no_trace() -> None:
+    torch.manual_seed(0)
+    model = _fsdp_bf16("basic", "optim_grads_params")
+    torch.manual_seed(5)
+    random.seed(3)
+    before = {n: p.detach().clone() for n, p in [*model.raw.items(), *model.dist.items()]}
+    rng, py_rng = torch.get_rng_state().clone(), random.getstate()
+    result = preflight(model, mse_microbatch, _bf16_batches(), loss_fn=mse_loss)
+    assert result.status == "fail" and result.cost["copy_bytes"] > 0
+    assert all(torch.equal(before[n], p) for n, p in [*model.raw.items(), *model.dist.items()])
+    assert torch.equal(rng, torch.get_rng_state()) and py_rng == random.getstate()
+    assert torch.count_nonzero(model.grad_data) == 0
