@@ -243,6 +243,13 @@ def ingest(base: str, batches: int, senders: int, batch_size: int = 1_000) -> di
     url = httpx.URL(f"{base}/runs/{run}/records")
     with httpx.Client(headers=HEADERS, timeout=60) as warm:  # create the run outside the timed part
         warm.post(str(url), content=ndjson([record(run, 10**9)])).raise_for_status()
+    # Warm every worker outside the timed part too (its first request builds routes, connections and
+    # statement caches): one full batch per sender connection, into a run of its own.
+    warm_url = f"{base}/runs/{run}-warm/records"
+    for s in range(senders):
+        with httpx.Client(headers=HEADERS, timeout=60) as warm:
+            body = ndjson([record(f"{run}-warm", s * batch_size + i) for i in range(batch_size)])
+            warm.post(warm_url, content=body).raise_for_status()
     requests = []
     for b in range(batches):
         body = ndjson([record(run, b * batch_size + i) for i in range(batch_size)])
