@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
+from maingrad.analyzer import gcpause
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.positions import LazyPositions
@@ -147,20 +148,21 @@ def analyze_source(
         if segmented is not None:
             return segmented
     result = FileResult(path=path)
-    active, tree = _gate(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
-    if not active:
-        return result
-    parsed = parse(source, path)
-    if isinstance(parsed, ParseError):
-        result.parse_error = parsed
-        return result
-    result.parsed = True
-    ctx = FileContext(path=path, source=source, module=parsed, settings=settings)
-    collected = _run_rules(ctx, active, catch_rule_errors, result)
-    if collected:
-        result.findings, result.fixes, result.anchors = _to_findings(
-            ctx, collected, severities or {}, tree=tree
-        )
+    with gcpause.paused():  # one module's parse and analysis: see maingrad.analyzer.gcpause
+        active, tree = _gate(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
+        if not active:
+            return result
+        parsed = parse(source, path)
+        if isinstance(parsed, ParseError):
+            result.parse_error = parsed
+            return result
+        result.parsed = True
+        ctx = FileContext(path=path, source=source, module=parsed, settings=settings)
+        collected = _run_rules(ctx, active, catch_rule_errors, result)
+        if collected:
+            result.findings, result.fixes, result.anchors = _to_findings(
+                ctx, collected, severities or {}, tree=tree
+            )
     return result
 
 
@@ -201,26 +203,27 @@ def _analyze_segmented(
         return None
     seen: dict[tuple[str, str], int] = {}
     for piece in segment_pieces(source, chunks, lambda text: bool(needed_rules(text, needed))):
-        active, tree = _gate(
-            piece.source, path, needed_rules(piece.source, needed), settings, gate, catch_rule_errors
-        )
-        if not active:
-            continue
-        parsed = parse(piece.source, path)
-        if isinstance(parsed, ParseError):  # libcst rejects what `ast` accepted: report it where it is
-            line = piece.file_line(parsed.line) if parsed.line else None
-            result.parse_error = ParseError(path, parsed.message, line, parsed.column, parsed.kind)
-            result.findings, result.fixes, result.anchors = [], {}, {}
-            return result
-        result.parsed = True
-        ctx = FileContext(path=path, source=piece.source, module=parsed, settings=settings)
-        collected = _run_rules(ctx, active, catch_rule_errors, result)
-        if collected:
-            findings, fixes, anchors = _to_findings(ctx, collected, severities or {}, piece, seen, tree)
-            result.findings.extend(findings)
-            result.fixes.update(fixes)
-            result.anchors.update(anchors)
-        del ctx, parsed, collected, tree
+        with gcpause.paused():  # one piece's parse and analysis: see maingrad.analyzer.gcpause
+            active, tree = _gate(
+                piece.source, path, needed_rules(piece.source, needed), settings, gate, catch_rule_errors
+            )
+            if not active:
+                continue
+            parsed = parse(piece.source, path)
+            if isinstance(parsed, ParseError):  # libcst rejects what `ast` accepted: report it where it is
+                line = piece.file_line(parsed.line) if parsed.line else None
+                result.parse_error = ParseError(path, parsed.message, line, parsed.column, parsed.kind)
+                result.findings, result.fixes, result.anchors = [], {}, {}
+                return result
+            result.parsed = True
+            ctx = FileContext(path=path, source=piece.source, module=parsed, settings=settings)
+            collected = _run_rules(ctx, active, catch_rule_errors, result)
+            if collected:
+                findings, fixes, anchors = _to_findings(ctx, collected, severities or {}, piece, seen, tree)
+                result.findings.extend(findings)
+                result.fixes.update(fixes)
+                result.anchors.update(anchors)
+            del ctx, parsed, collected, tree
     return result
 
 
