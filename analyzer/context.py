@@ -54,10 +54,11 @@ class FileContext:
     module: cst.Module
     settings: RuleSettings = field(default_factory=RuleSettings)
     _names: NameResolver | None = field(default=None, repr=False)
-    _parents: dict[cst.CSTNode, cst.CSTNode] | None = field(default=None, repr=False)
+    # The index, keyed by id(node) (the module keeps every node alive): see `walk.index`.
+    _parents: dict[int, cst.CSTNode] | None = field(default=None, repr=False)
     _preorder: list[cst.CSTNode] | None = field(default=None, repr=False)
     _by_type: dict[type, list[cst.CSTNode]] | None = field(default=None, repr=False)
-    _order: dict[cst.CSTNode, int] | None = field(default=None, repr=False)
+    _order: dict[int, int] | None = field(default=None, repr=False)
 
     @property
     def names(self) -> NameResolver:
@@ -81,7 +82,7 @@ class FileContext:
         if self._parents is None:
             self._build_index()
             assert self._parents is not None
-        return self._parents.get(node)
+        return self._parents.get(id(node))
 
     def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
         current = self.parent(node)
@@ -118,8 +119,8 @@ class FileContext:
             if self._preorder is None:
                 self._build_index()
             assert self._preorder is not None
-            self._order = {node: i for i, node in enumerate(self._preorder)}
-        return self._order[node]
+            self._order = {id(node): i for i, node in enumerate(self._preorder)}
+        return self._order[id(node)]
 
     def visit(self, visitor: cst.CSTVisitor, root: cst.CSTNode | None = None) -> cst.CSTVisitor:
         """Run a read-only CSTVisitor over the file (or `root`) without libcst's node rebuilding."""

@@ -251,9 +251,11 @@ def _code(ctx: FileContext, node: cst.CSTNode, positions: LazyPositions) -> str:
 
 
 def _statement_line(ctx: FileContext, node: cst.CSTNode, positions: LazyPositions) -> int | None:
-    for candidate in (node, *ctx.ancestors(node)):
+    candidate: cst.CSTNode | None = node
+    while candidate is not None:
         if isinstance(candidate, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             return positions[candidate].start.line
+        candidate = ctx.parent(candidate)
     return None
 
 
@@ -274,12 +276,10 @@ def _to_findings(
     findings: list[Finding] = []
     fixes: dict[str, Fix] = {}
     anchors: dict[str, tuple[int, ...]] = {}
-    ordered = sorted(
-        collected,
-        key=lambda rv: (positions[rv[1].node].start.line, positions[rv[1].node].start.column, rv[0].id),
-    )
-    for rule, violation in ordered:
-        where = positions[violation.node]
+    # Each violation's range once (a CodeRange per lookup adds up at 10^5 findings), sorted stably by it.
+    placed = [(positions[violation.node], rule, violation) for rule, violation in collected]
+    placed.sort(key=lambda item: (item[0].start.line, item[0].start.column, item[1].id))
+    for where, rule, violation in placed:
         if piece is not None and not piece.is_own(where.start.line):
             continue  # context: its own piece reports it
         context = _code(ctx, violation.context_node or violation.node, positions)
