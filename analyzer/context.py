@@ -21,6 +21,27 @@ from maingrad.analyzer.names import NameResolver, package_of
 NodeT = TypeVar("NodeT", bound=cst.CSTNode)
 
 
+class _KindFilter:
+    """`isinstance(node, kinds)` decided once per node type: libcst's node classes are ABCs, and an ABC
+    instance check costs several times a dict lookup."""
+
+    __slots__ = ("kinds", "known")
+
+    def __init__(self, kinds: tuple[type, ...]) -> None:
+        self.kinds = kinds
+        self.known: dict[type, bool] = {}
+
+    def __call__(self, node: object) -> bool:
+        kind = type(node)
+        flag = self.known.get(kind)
+        if flag is None:
+            flag = self.known[kind] = issubclass(kind, self.kinds)
+        return flag
+
+
+_FILTERS: dict[tuple[type, ...], _KindFilter] = {}  # by the `kinds` tuple asked for
+
+
 @dataclass(frozen=True)
 class RuleSettings:
     """Config a rule may read (from `[tool.maingrad]`)."""
@@ -59,6 +80,7 @@ class FileContext:
     _preorder: list[cst.CSTNode] | None = field(default=None, repr=False)
     _by_type: dict[type, list[cst.CSTNode]] | None = field(default=None, repr=False)
     _order: dict[int, int] | None = field(default=None, repr=False)
+    _own: dict[int, list[cst.CSTNode]] | None = field(default=None, repr=False)
 
     @property
     def names(self) -> NameResolver:
@@ -121,6 +143,45 @@ class FileContext:
             assert self._preorder is not None
             self._order = {id(node): i for i, node in enumerate(self._preorder)}
         return self._order[id(node)]
+
+    def own_nodes(self, root: cst.CSTNode, *kinds: type[NodeT]) -> list[NodeT]:
+        """`walk.find_own(root, *kinds)`: nodes of `kinds` in `root` (included), not inside the functions,
+        classes and lambdas nested in it (those nodes themselves included), in source order.
+
+        When `root` is the module or a def, class or lambda of it, the answer comes from one shared pass
+        that files every node under its innermost enclosing scope, so rules that ask per function (local
+        bindings, guards before a statement) do not walk each function again; any other root is walked."""
+        if self._own is None:
+            self._build_own()
+            assert self._own is not None
+        own = self._own.get(id(root))
+        if own is None:
+            return walk.find_own(root, *kinds)  # type: ignore[return-value]  # only nodes of `kinds`
+        found: list[Any] = [root] if isinstance(root, kinds) else []
+        wanted = _FILTERS.get(kinds) or _FILTERS.setdefault(kinds, _KindFilter(kinds))
+        found += [node for node in own if wanted(node)]
+        return found
+
+    def _build_own(self) -> None:
+        """scope id -> the nodes whose innermost enclosing def/class/lambda (or the module) it is, in
+        pre-order: exactly what `walk.find_own(scope)` yields after `scope` itself."""
+        if self._preorder is None:
+            self._build_index()
+        assert self._preorder is not None and self._parents is not None
+        parents = self._parents
+        own: dict[int, list[cst.CSTNode]] = {id(self.module): []}
+        scope_of: dict[int, cst.CSTNode] = {}  # node id -> its innermost enclosing scope
+        is_scope = _FILTERS.get(walk.SCOPES) or _FILTERS.setdefault(walk.SCOPES, _KindFilter(walk.SCOPES))
+        for node in self._preorder:
+            parent = parents.get(id(node))
+            if parent is None:
+                continue  # the module (or a node outside it)
+            scope = parent if id(parent) in own else scope_of[id(parent)]
+            scope_of[id(node)] = scope
+            own[id(scope)].append(node)
+            if is_scope(node):
+                own[id(node)] = []
+        self._own = own
 
     def visit(self, visitor: cst.CSTVisitor, root: cst.CSTNode | None = None) -> cst.CSTVisitor:
         """Run a read-only CSTVisitor over the file (or `root`) without libcst's node rebuilding."""

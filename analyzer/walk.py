@@ -144,13 +144,13 @@ def find(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
     return [node for node in walk(root) if isinstance(node, kinds)]
 
 
-_SCOPES = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
+SCOPES = (cst.FunctionDef, cst.ClassDef, cst.Lambda)  # what `find_own` does not descend into
 
 
 def find_own(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
     """Like `find`, but not inside function/class/lambda definitions nested in `root` (the nested
     definition node itself is still returned when it is of `kinds`)."""
-    return [node for node in walk(root, lambda n: isinstance(n, _SCOPES)) if isinstance(node, kinds)]
+    return [node for node in walk(root, lambda n: isinstance(n, SCOPES)) if isinstance(node, kinds)]
 
 
 def index(root: cst.CSTNode) -> tuple[list[cst.CSTNode], dict[int, cst.CSTNode]]:

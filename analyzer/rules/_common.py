@@ -168,19 +168,25 @@ def all_nodes(root: cst.CSTNode, *kinds: type[NodeT]) -> list[NodeT]:
     return walk.find(root, *kinds)  # type: ignore[return-value]  # only nodes of `kinds`
 
 
-def local_bindings(func: cst.CSTNode | None) -> dict[str, list[cst.BaseExpression]]:
+_BINDING_NODES = (cst.Assign, cst.AugAssign, cst.AnnAssign, cst.For, cst.WithItem, cst.NamedExpr)
+
+
+def local_bindings(
+    func: cst.CSTNode | None, ctx: FileContext | None = None
+) -> dict[str, list[cst.BaseExpression]]:
     """name -> values assigned to it by plain `name = value` in `func` (nested scopes excluded).
 
     Names bound in any other way (parameters, for-targets, with-targets, augmented assignment) get a
     `None`-free empty marker by being absent; callers must treat a name with no entry as unknown.
+    With the file's `ctx`, the statements come from its per-scope index (`ctx.own_nodes`) instead of a
+    walk of `func`.
     """
     if func is None:
         return {}
     bindings: dict[str, list[cst.BaseExpression]] = {}
     other: set[str] = set()
-    for node in own_nodes(
-        func, cst.Assign, cst.AugAssign, cst.AnnAssign, cst.For, cst.WithItem, cst.NamedExpr
-    ):
+    nodes = ctx.own_nodes(func, *_BINDING_NODES) if ctx is not None else own_nodes(func, *_BINDING_NODES)
+    for node in nodes:
         if isinstance(node, cst.Assign):
             for target in node.targets:
                 if isinstance(target.target, cst.Name):
@@ -370,7 +376,7 @@ def path_facts(ctx: FileContext, node: cst.CSTNode, receiver: cst.CSTNode) -> se
     `try: ... except AttributeError`.
     """
     func = enclosing_function(ctx, node)
-    bindings = {**attribute_bindings(enclosing_class(ctx, node)), **local_bindings(func)}
+    bindings = {**attribute_bindings(enclosing_class(ctx, node)), **local_bindings(func, ctx)}
     cond = Condition(code_of(receiver), bindings)
     facts: set[str] = set()
 
