@@ -21,27 +21,6 @@ from maingrad.analyzer.names import NameResolver, package_of
 NodeT = TypeVar("NodeT", bound=cst.CSTNode)
 
 
-class _KindFilter:
-    """`isinstance(node, kinds)` decided once per node type: libcst's node classes are ABCs, and an ABC
-    instance check costs several times a dict lookup."""
-
-    __slots__ = ("kinds", "known")
-
-    def __init__(self, kinds: tuple[type, ...]) -> None:
-        self.kinds = kinds
-        self.known: dict[type, bool] = {}
-
-    def __call__(self, node: object) -> bool:
-        kind = type(node)
-        flag = self.known.get(kind)
-        if flag is None:
-            flag = self.known[kind] = issubclass(kind, self.kinds)
-        return flag
-
-
-_FILTERS: dict[tuple[type, ...], _KindFilter] = {}  # by the `kinds` tuple asked for
-
-
 @dataclass(frozen=True)
 class RuleSettings:
     """Config a rule may read (from `[tool.maingrad]`)."""
@@ -81,6 +60,7 @@ class FileContext:
     _by_type: dict[type, list[cst.CSTNode]] | None = field(default=None, repr=False)
     _order: dict[int, int] | None = field(default=None, repr=False)
     _own: dict[int, list[cst.CSTNode]] | None = field(default=None, repr=False)
+    _kind_tables: dict[tuple[type, ...], dict[type, bool]] = field(default_factory=dict, repr=False)
 
     @property
     def names(self) -> NameResolver:
@@ -158,9 +138,18 @@ class FileContext:
         if own is None:
             return walk.find_own(root, *kinds)  # type: ignore[return-value]  # only nodes of `kinds`
         found: list[Any] = [root] if isinstance(root, kinds) else []
-        wanted = _FILTERS.get(kinds) or _FILTERS.setdefault(kinds, _KindFilter(kinds))
-        found += [node for node in own if wanted(node)]
+        wanted = self._kind_table(kinds)
+        found += [node for node in own if wanted[type(node)]]
         return found
+
+    def _kind_table(self, kinds: tuple[type, ...]) -> dict[type, bool]:
+        """node type -> `issubclass(type, kinds)`, for every node type of the index: libcst's node classes
+        are ABCs, whose instance checks cost several times a dict lookup."""
+        table = self._kind_tables.get(kinds)
+        if table is None:
+            assert self._by_type is not None
+            table = self._kind_tables[kinds] = {kind: issubclass(kind, kinds) for kind in self._by_type}
+        return table
 
     def _build_own(self) -> None:
         """scope id -> the nodes whose innermost enclosing def/class/lambda (or the module) it is, in
@@ -170,17 +159,20 @@ class FileContext:
         assert self._preorder is not None and self._parents is not None
         parents = self._parents
         own: dict[int, list[cst.CSTNode]] = {id(self.module): []}
-        scope_of: dict[int, cst.CSTNode] = {}  # node id -> its innermost enclosing scope
-        is_scope = _FILTERS.get(walk.SCOPES) or _FILTERS.setdefault(walk.SCOPES, _KindFilter(walk.SCOPES))
+        bucket_of: dict[int, list[cst.CSTNode]] = {}  # node id -> its innermost scope's list
+        is_scope = self._kind_table(walk.SCOPES)
         for node in self._preorder:
-            parent = parents.get(id(node))
+            key = id(node)
+            parent = parents.get(key)
             if parent is None:
-                continue  # the module (or a node outside it)
-            scope = parent if id(parent) in own else scope_of[id(parent)]
-            scope_of[id(node)] = scope
-            own[id(scope)].append(node)
-            if is_scope(node):
-                own[id(node)] = []
+                continue  # the module
+            bucket = own.get(id(parent))  # the parent is a scope itself
+            if bucket is None:
+                bucket = bucket_of[id(parent)]
+            bucket_of[key] = bucket
+            bucket.append(node)
+            if is_scope[type(node)]:
+                own[key] = []
         self._own = own
 
     def visit(self, visitor: cst.CSTVisitor, root: cst.CSTNode | None = None) -> cst.CSTVisitor:
