@@ -54,10 +54,13 @@ class FileContext:
     module: cst.Module
     settings: RuleSettings = field(default_factory=RuleSettings)
     _names: NameResolver | None = field(default=None, repr=False)
-    _parents: dict[cst.CSTNode, cst.CSTNode] | None = field(default=None, repr=False)
+    # The index, keyed by id(node) (the module keeps every node alive): see `walk.index`.
+    _parents: dict[int, cst.CSTNode] | None = field(default=None, repr=False)
     _preorder: list[cst.CSTNode] | None = field(default=None, repr=False)
     _by_type: dict[type, list[cst.CSTNode]] | None = field(default=None, repr=False)
-    _order: dict[cst.CSTNode, int] | None = field(default=None, repr=False)
+    _order: dict[int, int] | None = field(default=None, repr=False)
+    _own: dict[int, list[cst.CSTNode]] | None = field(default=None, repr=False)
+    _kind_tables: dict[tuple[type, ...], dict[type, bool]] = field(default_factory=dict, repr=False)
 
     @property
     def names(self) -> NameResolver:
@@ -81,7 +84,7 @@ class FileContext:
         if self._parents is None:
             self._build_index()
             assert self._parents is not None
-        return self._parents.get(node)
+        return self._parents.get(id(node))
 
     def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
         current = self.parent(node)
@@ -118,8 +121,59 @@ class FileContext:
             if self._preorder is None:
                 self._build_index()
             assert self._preorder is not None
-            self._order = {node: i for i, node in enumerate(self._preorder)}
-        return self._order[node]
+            self._order = {id(node): i for i, node in enumerate(self._preorder)}
+        return self._order[id(node)]
+
+    def own_nodes(self, root: cst.CSTNode, *kinds: type[NodeT]) -> list[NodeT]:
+        """`walk.find_own(root, *kinds)`: nodes of `kinds` in `root` (included), not inside the functions,
+        classes and lambdas nested in it (those nodes themselves included), in source order.
+
+        When `root` is the module or a def, class or lambda of it, the answer comes from one shared pass
+        that files every node under its innermost enclosing scope, so rules that ask per function (local
+        bindings, guards before a statement) do not walk each function again; any other root is walked."""
+        if self._own is None:
+            self._build_own()
+            assert self._own is not None
+        own = self._own.get(id(root))
+        if own is None:
+            return walk.find_own(root, *kinds)  # type: ignore[return-value]  # only nodes of `kinds`
+        found: list[Any] = [root] if isinstance(root, kinds) else []
+        wanted = self._kind_table(kinds)
+        found += [node for node in own if wanted[type(node)]]
+        return found
+
+    def _kind_table(self, kinds: tuple[type, ...]) -> dict[type, bool]:
+        """node type -> `issubclass(type, kinds)`, for every node type of the index: libcst's node classes
+        are ABCs, whose instance checks cost several times a dict lookup."""
+        table = self._kind_tables.get(kinds)
+        if table is None:
+            assert self._by_type is not None
+            table = self._kind_tables[kinds] = {kind: issubclass(kind, kinds) for kind in self._by_type}
+        return table
+
+    def _build_own(self) -> None:
+        """scope id -> the nodes whose innermost enclosing def/class/lambda (or the module) it is, in
+        pre-order: exactly what `walk.find_own(scope)` yields after `scope` itself."""
+        if self._preorder is None:
+            self._build_index()
+        assert self._preorder is not None and self._parents is not None
+        parents = self._parents
+        own: dict[int, list[cst.CSTNode]] = {id(self.module): []}
+        bucket_of: dict[int, list[cst.CSTNode]] = {}  # node id -> its innermost scope's list
+        is_scope = self._kind_table(walk.SCOPES)
+        for node in self._preorder:
+            key = id(node)
+            parent = parents.get(key)
+            if parent is None:
+                continue  # the module
+            bucket = own.get(id(parent))  # the parent is a scope itself
+            if bucket is None:
+                bucket = bucket_of[id(parent)]
+            bucket_of[key] = bucket
+            bucket.append(node)
+            if is_scope[type(node)]:
+                own[key] = []
+        self._own = own
 
     def visit(self, visitor: cst.CSTVisitor, root: cst.CSTNode | None = None) -> cst.CSTVisitor:
         """Run a read-only CSTVisitor over the file (or `root`) without libcst's node rebuilding."""

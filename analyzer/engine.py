@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
+from maingrad.analyzer import gcpause
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.positions import LazyPositions
@@ -147,20 +148,21 @@ def analyze_source(
         if segmented is not None:
             return segmented
     result = FileResult(path=path)
-    active, tree = _gate(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
-    if not active:
-        return result
-    parsed = parse(source, path)
-    if isinstance(parsed, ParseError):
-        result.parse_error = parsed
-        return result
-    result.parsed = True
-    ctx = FileContext(path=path, source=source, module=parsed, settings=settings)
-    collected = _run_rules(ctx, active, catch_rule_errors, result)
-    if collected:
-        result.findings, result.fixes, result.anchors = _to_findings(
-            ctx, collected, severities or {}, tree=tree
-        )
+    with gcpause.paused():  # one module's parse and analysis: see maingrad.analyzer.gcpause
+        active, tree = _gate(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
+        if not active:
+            return result
+        parsed = parse(source, path)
+        if isinstance(parsed, ParseError):
+            result.parse_error = parsed
+            return result
+        result.parsed = True
+        ctx = FileContext(path=path, source=source, module=parsed, settings=settings)
+        collected = _run_rules(ctx, active, catch_rule_errors, result)
+        if collected:
+            result.findings, result.fixes, result.anchors = _to_findings(
+                ctx, collected, severities or {}, tree=tree
+            )
     return result
 
 
@@ -201,26 +203,27 @@ def _analyze_segmented(
         return None
     seen: dict[tuple[str, str], int] = {}
     for piece in segment_pieces(source, chunks, lambda text: bool(needed_rules(text, needed))):
-        active, tree = _gate(
-            piece.source, path, needed_rules(piece.source, needed), settings, gate, catch_rule_errors
-        )
-        if not active:
-            continue
-        parsed = parse(piece.source, path)
-        if isinstance(parsed, ParseError):  # libcst rejects what `ast` accepted: report it where it is
-            line = piece.file_line(parsed.line) if parsed.line else None
-            result.parse_error = ParseError(path, parsed.message, line, parsed.column, parsed.kind)
-            result.findings, result.fixes, result.anchors = [], {}, {}
-            return result
-        result.parsed = True
-        ctx = FileContext(path=path, source=piece.source, module=parsed, settings=settings)
-        collected = _run_rules(ctx, active, catch_rule_errors, result)
-        if collected:
-            findings, fixes, anchors = _to_findings(ctx, collected, severities or {}, piece, seen, tree)
-            result.findings.extend(findings)
-            result.fixes.update(fixes)
-            result.anchors.update(anchors)
-        del ctx, parsed, collected, tree
+        with gcpause.paused():  # one piece's parse and analysis: see maingrad.analyzer.gcpause
+            active, tree = _gate(
+                piece.source, path, needed_rules(piece.source, needed), settings, gate, catch_rule_errors
+            )
+            if not active:
+                continue
+            parsed = parse(piece.source, path)
+            if isinstance(parsed, ParseError):  # libcst rejects what `ast` accepted: report it where it is
+                line = piece.file_line(parsed.line) if parsed.line else None
+                result.parse_error = ParseError(path, parsed.message, line, parsed.column, parsed.kind)
+                result.findings, result.fixes, result.anchors = [], {}, {}
+                return result
+            result.parsed = True
+            ctx = FileContext(path=path, source=piece.source, module=parsed, settings=settings)
+            collected = _run_rules(ctx, active, catch_rule_errors, result)
+            if collected:
+                findings, fixes, anchors = _to_findings(ctx, collected, severities or {}, piece, seen, tree)
+                result.findings.extend(findings)
+                result.fixes.update(fixes)
+                result.anchors.update(anchors)
+            del ctx, parsed, collected, tree
     return result
 
 
@@ -248,9 +251,11 @@ def _code(ctx: FileContext, node: cst.CSTNode, positions: LazyPositions) -> str:
 
 
 def _statement_line(ctx: FileContext, node: cst.CSTNode, positions: LazyPositions) -> int | None:
-    for candidate in (node, *ctx.ancestors(node)):
+    candidate: cst.CSTNode | None = node
+    while candidate is not None:
         if isinstance(candidate, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             return positions[candidate].start.line
+        candidate = ctx.parent(candidate)
     return None
 
 
@@ -271,12 +276,10 @@ def _to_findings(
     findings: list[Finding] = []
     fixes: dict[str, Fix] = {}
     anchors: dict[str, tuple[int, ...]] = {}
-    ordered = sorted(
-        collected,
-        key=lambda rv: (positions[rv[1].node].start.line, positions[rv[1].node].start.column, rv[0].id),
-    )
-    for rule, violation in ordered:
-        where = positions[violation.node]
+    # Each violation's range once (a CodeRange per lookup adds up at 10^5 findings), sorted stably by it.
+    placed = [(positions[violation.node], rule, violation) for rule, violation in collected]
+    placed.sort(key=lambda item: (item[0].start.line, item[0].start.column, item[1].id))
+    for where, rule, violation in placed:
         if piece is not None and not piece.is_own(where.start.line):
             continue  # context: its own piece reports it
         context = _code(ctx, violation.context_node or violation.node, positions)

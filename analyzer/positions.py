@@ -6,6 +6,9 @@ codegen pass with a state that only counts characters, records each node's (star
 PositionProvider records its ranges (syntactic ranges where a node declares one, whitespace-inclusive
 otherwise), and converts offsets to lines and columns only for the nodes that are asked for. Results are
 identical to PositionProvider's (tests/analyzer/test_positions.py compares them on real files).
+
+Offsets are kept by `id(node)`: libcst nodes hash through a Python-level `__hash__`, which cost more than
+the dict operations themselves (the module keeps every node alive, so ids stay unique).
 """
 
 from __future__ import annotations
@@ -23,14 +26,22 @@ _NEWLINE = re.compile(r"\r\n?|\n")
 
 
 class _OffsetState(CodegenState):
-    """A CodegenState that records character offsets instead of lines and columns."""
+    """A CodegenState that records character offsets instead of lines and columns, into the given dicts
+    (new ones by default)."""
 
-    def __init__(self, default_indent: str, default_newline: str) -> None:
+    def __init__(
+        self,
+        default_indent: str,
+        default_newline: str,
+        ranges: dict[int, tuple[int, int]] | None = None,
+        spans: dict[int, tuple[int, int]] | None = None,
+    ) -> None:
         super().__init__(default_indent=default_indent, default_newline=default_newline)
         self.offset = 0
         self.popped = ""
-        self.ranges: dict[cst.CSTNode, tuple[int, int]] = {}
-        self.spans: dict[cst.CSTNode, tuple[int, int]] = {}  # whitespace-inclusive: all the node's text
+        self.ranges: dict[int, tuple[int, int]] = {} if ranges is None else ranges  # by id(node)
+        # whitespace-inclusive: all the node's text
+        self.spans: dict[int, tuple[int, int]] = {} if spans is None else spans
         self._stack: list[int] = []
 
     def add_indent_tokens(self) -> None:
@@ -52,9 +63,10 @@ class _OffsetState(CodegenState):
 
     def after_codegen(self, node: cst.CSTNode) -> None:
         start = self._stack.pop()
-        self.spans[node] = (start, self.offset)
-        if node not in self.ranges:  # a syntactic range recorded inside wins
-            self.ranges[node] = (start, self.offset)
+        key = id(node)
+        self.spans[key] = (start, self.offset)
+        if key not in self.ranges:  # a syntactic range recorded inside wins
+            self.ranges[key] = (start, self.offset)
 
     def record_syntactic_position(  # type: ignore[override]
         self,
@@ -90,9 +102,9 @@ class _Recorder:
 
     def __exit__(self, *exc: object) -> None:
         ranges = self.state.ranges
-        start = ranges[self.start_node][0] if self.start_node is not None else self.start
-        end = ranges[self.end_node][1] if self.end_node is not None else self.state.offset
-        ranges[self.node] = (start, end)
+        start = ranges[id(self.start_node)][0] if self.start_node is not None else self.start
+        end = ranges[id(self.end_node)][1] if self.end_node is not None else self.state.offset
+        ranges[id(self.node)] = (start, end)
 
 
 class LazyPositions:
@@ -115,8 +127,8 @@ class LazyPositions:
         self._tree = tree  # the stdlib tree of `source`, when the caller already has one
         self._source = source
         self._top_level = top_level
-        self._ranges: dict[cst.CSTNode, tuple[int, int]] = {}
-        self._spans: dict[cst.CSTNode, tuple[int, int]] = {}
+        self._ranges: dict[int, tuple[int, int]] = {}  # by id(node)
+        self._spans: dict[int, tuple[int, int]] = {}
         self._line_starts: list[int] | None = None
         self._full = False
         self._starts: dict[cst.CSTNode, int] | None = None
@@ -168,31 +180,37 @@ class LazyPositions:
         return self._starts
 
     def _generate_statement(self, statement: cst.CSTNode) -> bool:
+        """Generate one top-level statement, recording straight into the shared offsets (copying each
+        statement's into them cost a fifth of the generation). False when its text is not at the
+        ast-derived start: the offsets then hold garbage, and the caller must replace them all."""
         start = self._statement_starts().get(statement)
         if start is None:
             return False
-        state = _OffsetState(self._module.default_indent, self._module.default_newline)
+        state = _OffsetState(
+            self._module.default_indent, self._module.default_newline, self._ranges, self._spans
+        )
         state.offset = start
         statement._codegen(state)
         code = "".join(state.tokens)
         assert self._source is not None
         if self._source[start : start + len(code)] != code:
             return False  # the ast-derived start was wrong: never guess
-        self._ranges.update(state.ranges)
-        self._spans.update(state.spans)
         self._generated.add(statement)
         return True
 
     def _ensure(self, node: cst.CSTNode) -> None:
-        if node in self._ranges or self._full:
+        if id(node) in self._ranges or self._full:
             return
         if self._source is not None and self._top_level is not None:
             statement = self._top_level(node)
-            if statement is not None and statement not in self._generated:
-                self._generate_statement(statement)
-                if node in self._ranges:
-                    return
-        self._compute()
+            if (
+                statement is not None
+                and statement not in self._generated
+                and self._generate_statement(statement)
+                and id(node) in self._ranges
+            ):
+                return
+        self._compute()  # replaces every offset recorded so far
 
     def _position(self, offset: int) -> CodePosition:
         assert self._line_starts is not None
@@ -201,11 +219,11 @@ class LazyPositions:
 
     def __getitem__(self, node: cst.CSTNode) -> CodeRange:
         self._ensure(node)
-        start, end = self._ranges[node]
+        start, end = self._ranges[id(node)]
         return CodeRange(self._position(start), self._position(end))
 
     def span(self, node: cst.CSTNode) -> tuple[int, int]:
         """Character offsets [start, end) of all the text `node` generates (whitespace it owns included):
         exactly what replacing the node can change."""
         self._ensure(node)
-        return self._spans[node]
+        return self._spans[id(node)]

@@ -254,41 +254,45 @@ def spine_of(node: ast.AST) -> Spine:
     calls: list[str] = []
     names: list[str] = []
     wild: list[bool] = []
-
-    def visit(expr: ast.AST, depth: int) -> None:
-        if depth > _MAX_DEPTH:
-            wild.append(True)
-            return
-        kind = type(expr)
-        if kind is ast.Attribute:
-            if expr.attr == MAIN_GRAD:  # type: ignore[attr-defined]
-                attrs.append(True)
-        elif kind is ast.Name:
-            names.append(expr.id)  # type: ignore[attr-defined]
-        elif kind is ast.Subscript:
-            visit(expr.value, depth + 1)  # type: ignore[attr-defined]
-        elif kind is ast.Call:
-            func = expr.func  # type: ignore[attr-defined]
-            if type(func) is ast.Attribute:
-                calls.append(func.attr)
-                if func.attr in VIEW_METHODS:
-                    visit(func.value, depth + 1)
-            elif type(func) is ast.Name:
-                calls.append(func.id)
-        elif kind is ast.IfExp:
-            visit(expr.body, depth + 1)  # type: ignore[attr-defined]
-            visit(expr.orelse, depth + 1)  # type: ignore[attr-defined]
-        elif kind is ast.List or kind is ast.Tuple:
-            for element in expr.elts:  # type: ignore[attr-defined]
-                if type(element) is not ast.Starred:  # libcst: a StarredElement is not an Element
-                    visit(element, depth + 1)
-        elif kind is ast.ListComp or kind is ast.GeneratorExp:
-            visit(expr.elt, depth + 1)  # type: ignore[attr-defined]
-
-    visit(node, 0)
+    _spine_visit(node, 0, attrs, calls, names, wild)
     if not (attrs or calls or names or wild):
         return _EMPTY
     return Spine(bool(attrs), tuple(calls), tuple(names), bool(wild))
+
+
+def _spine_visit(
+    expr: ast.AST, depth: int, attrs: list[bool], calls: list[str], names: list[str], wild: list[bool]
+) -> None:
+    """`spine_of`'s walk. A module-level function, not a closure: a recursive closure refers to itself
+    through its cell, a reference cycle per call that only the cyclic collector frees."""
+    if depth > _MAX_DEPTH:
+        wild.append(True)
+        return
+    kind = type(expr)
+    if kind is ast.Attribute:
+        if expr.attr == MAIN_GRAD:  # type: ignore[attr-defined]
+            attrs.append(True)
+    elif kind is ast.Name:
+        names.append(expr.id)  # type: ignore[attr-defined]
+    elif kind is ast.Subscript:
+        _spine_visit(expr.value, depth + 1, attrs, calls, names, wild)  # type: ignore[attr-defined]
+    elif kind is ast.Call:
+        func = expr.func  # type: ignore[attr-defined]
+        if type(func) is ast.Attribute:
+            calls.append(func.attr)
+            if func.attr in VIEW_METHODS:
+                _spine_visit(func.value, depth + 1, attrs, calls, names, wild)
+        elif type(func) is ast.Name:
+            calls.append(func.id)
+    elif kind is ast.IfExp:
+        _spine_visit(expr.body, depth + 1, attrs, calls, names, wild)  # type: ignore[attr-defined]
+        _spine_visit(expr.orelse, depth + 1, attrs, calls, names, wild)  # type: ignore[attr-defined]
+    elif kind is ast.List or kind is ast.Tuple:
+        for element in expr.elts:  # type: ignore[attr-defined]
+            if type(element) is not ast.Starred:  # libcst: a StarredElement is not an Element
+                _spine_visit(element, depth + 1, attrs, calls, names, wild)
+    elif kind is ast.ListComp or kind is ast.GeneratorExp:
+        _spine_visit(expr.elt, depth + 1, attrs, calls, names, wild)  # type: ignore[attr-defined]
 
 
 _EMPTY = Spine()
@@ -399,32 +403,18 @@ def _fields(kind: type) -> tuple[str, ...]:
 
 
 class _Builder:
-    """One iterative walk (no recursion, leaves and `ctx` fields skipped) that fills a SyntaxIndex."""
+    """One iterative walk (no recursion, leaves and `ctx` fields skipped) that fills a SyntaxIndex.
+
+    Its handlers live in the module-level `_HANDLERS` (plain functions, called with the builder): a
+    per-instance dict of bound methods would make a reference cycle builder -> dict -> method -> builder,
+    which keeps the builder, its index and the whole `ast` tree alive until the cyclic collector runs
+    (while the engine pauses it, until the end of the file or piece)."""
 
     def __init__(self, index: SyntaxIndex) -> None:
         self.index = index
-        self.handlers: dict[type, Any] = {
-            ast.Call: self._call,
-            ast.Assign: self._assign,
-            ast.AnnAssign: self._ann_assign,
-            ast.AugAssign: self._aug_assign,
-            ast.Dict: self._dict,
-            ast.If: self._test,
-            ast.While: self._test,
-            ast.Assert: self._test,
-            ast.IfExp: self._test,
-            ast.comprehension: self._comprehension,
-            ast.UnaryOp: self._unary,
-            ast.BoolOp: self._boolop,
-            ast.FunctionDef: self._def,
-            ast.AsyncFunctionDef: self._def,
-            ast.ClassDef: self._class,
-            ast.Import: self._import,
-            ast.ImportFrom: self._import,
-        }
 
     def run(self, tree: ast.AST) -> None:
-        handlers = self.handlers
+        handlers = _HANDLERS
         leaves = _LEAVES
         stack: list[Any] = [tree]
         pop, push = stack.pop, stack.append
@@ -439,7 +429,7 @@ class _Builder:
                 continue
             handler = handlers.get(kind)
             if handler is not None:
-                handler(node)
+                handler(self, node)
             for name in _FIELDS.get(kind) or _fields(kind):
                 value = getattr(node, name)
                 if type(value) is list:
@@ -594,6 +584,27 @@ class _Builder:
 
     def _import(self, node: ast.Import | ast.ImportFrom) -> None:
         self.index.imports.append(node)
+
+
+_HANDLERS: dict[type, Any] = {
+    ast.Call: _Builder._call,
+    ast.Assign: _Builder._assign,
+    ast.AnnAssign: _Builder._ann_assign,
+    ast.AugAssign: _Builder._aug_assign,
+    ast.Dict: _Builder._dict,
+    ast.If: _Builder._test,
+    ast.While: _Builder._test,
+    ast.Assert: _Builder._test,
+    ast.IfExp: _Builder._test,
+    ast.comprehension: _Builder._comprehension,
+    ast.UnaryOp: _Builder._unary,
+    ast.BoolOp: _Builder._boolop,
+    ast.FunctionDef: _Builder._def,
+    ast.AsyncFunctionDef: _Builder._def,
+    ast.ClassDef: _Builder._class,
+    ast.Import: _Builder._import,
+    ast.ImportFrom: _Builder._import,
+}
 
 
 # Gate helpers shared by the rules that judge writes into main_grad buffers (MG007, MG008, ...) ---------

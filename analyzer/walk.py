@@ -144,19 +144,21 @@ def find(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
     return [node for node in walk(root) if isinstance(node, kinds)]
 
 
-_SCOPES = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
+SCOPES = (cst.FunctionDef, cst.ClassDef, cst.Lambda)  # what `find_own` does not descend into
 
 
 def find_own(root: cst.CSTNode, *kinds: type[cst.CSTNode]) -> list[cst.CSTNode]:
     """Like `find`, but not inside function/class/lambda definitions nested in `root` (the nested
     definition node itself is still returned when it is of `kinds`)."""
-    return [node for node in walk(root, lambda n: isinstance(n, _SCOPES)) if isinstance(node, kinds)]
+    return [node for node in walk(root, lambda n: isinstance(n, SCOPES)) if isinstance(node, kinds)]
 
 
-def index(root: cst.CSTNode) -> tuple[list[cst.CSTNode], dict[cst.CSTNode, cst.CSTNode]]:
-    """One pass: every non-trivia node in pre-order, and each one's parent."""
+def index(root: cst.CSTNode) -> tuple[list[cst.CSTNode], dict[int, cst.CSTNode]]:
+    """One pass: every non-trivia node in pre-order, and each one's parent by `id(node)` (libcst nodes
+    hash through a Python-level `__hash__`, which costs more than the dict itself; the tree keeps every
+    node alive, so ids stay unique while the caller holds `root`)."""
     order: list[cst.CSTNode] = []
-    parents: dict[cst.CSTNode, cst.CSTNode] = {}
+    parents: dict[int, cst.CSTNode] = {}
     stack = [root]
     get = _SEMANTIC_FIELDS.get
     while stack:
@@ -167,7 +169,7 @@ def index(root: cst.CSTNode) -> tuple[list[cst.CSTNode], dict[cst.CSTNode, cst.C
             fields = _semantic_fields(type(node))
         kids = _semantic_kids(node, fields)
         for kid in kids:
-            parents[kid] = node
+            parents[id(kid)] = node
         kids.reverse()
         stack.extend(kids)
     return order, parents
@@ -175,7 +177,8 @@ def index(root: cst.CSTNode) -> tuple[list[cst.CSTNode], dict[cst.CSTNode, cst.C
 
 def parent_map(root: cst.CSTNode) -> dict[cst.CSTNode, cst.CSTNode]:
     """Parent of every non-trivia node under `root`."""
-    return index(root)[1]
+    order, parents = index(root)
+    return {node: parents[id(node)] for node in order if id(node) in parents}
 
 
 def visit(root: cst.CSTNode, visitor: cst.CSTVisitor) -> cst.CSTVisitor:

@@ -51,8 +51,46 @@ def norm(code: str) -> str:
     return " ".join(code.split())
 
 
+# `code_of` generates code through an empty module (only its default indent and newline are read).
+_EMPTY_MODULE = cst.Module(body=[])
+
+
 def code_of(node: cst.CSTNode) -> str:
-    return norm(cst.Module(body=[]).code_for_node(node))
+    """The node's code, whitespace-normalised. Dotted chains (`self.linear_fc1.weight`), most of what rules
+    render, are joined from their names: code generation costs about ten times more."""
+    chain = _bare_chain(node)
+    if chain is not None:
+        return norm(chain)
+    return norm(_EMPTY_MODULE.code_for_node(node))
+
+
+def _bare_chain(node: cst.CSTNode) -> str | None:
+    """The code libcst generates for a Name/Attribute chain without parentheses, whitespace or comments
+    (`a.b.c`): its names joined by dots; None for anything else (code generation then decides)."""
+    parts: list[str] = []
+    while type(node) is cst.Attribute:
+        dot = node.dot
+        if (
+            node.lpar
+            or node.rpar
+            or type(dot) is not cst.Dot
+            or not _no_space(dot.whitespace_before)
+            or not _no_space(dot.whitespace_after)
+            or type(node.attr) is not cst.Name
+            or node.attr.lpar
+            or node.attr.rpar
+        ):
+            return None
+        parts.append(node.attr.value)
+        node = node.value
+    if type(node) is not cst.Name or node.lpar or node.rpar:
+        return None
+    parts.append(node.value)
+    return ".".join(reversed(parts))
+
+
+def _no_space(whitespace: cst.BaseParenthesizableWhitespace) -> bool:
+    return type(whitespace) is cst.SimpleWhitespace and whitespace.value == ""
 
 
 def string_value(node: cst.CSTNode | None) -> str | None:
@@ -168,19 +206,25 @@ def all_nodes(root: cst.CSTNode, *kinds: type[NodeT]) -> list[NodeT]:
     return walk.find(root, *kinds)  # type: ignore[return-value]  # only nodes of `kinds`
 
 
-def local_bindings(func: cst.CSTNode | None) -> dict[str, list[cst.BaseExpression]]:
+_BINDING_NODES = (cst.Assign, cst.AugAssign, cst.AnnAssign, cst.For, cst.WithItem, cst.NamedExpr)
+
+
+def local_bindings(
+    func: cst.CSTNode | None, ctx: FileContext | None = None
+) -> dict[str, list[cst.BaseExpression]]:
     """name -> values assigned to it by plain `name = value` in `func` (nested scopes excluded).
 
     Names bound in any other way (parameters, for-targets, with-targets, augmented assignment) get a
     `None`-free empty marker by being absent; callers must treat a name with no entry as unknown.
+    With the file's `ctx`, the statements come from its per-scope index (`ctx.own_nodes`) instead of a
+    walk of `func`.
     """
     if func is None:
         return {}
     bindings: dict[str, list[cst.BaseExpression]] = {}
     other: set[str] = set()
-    for node in own_nodes(
-        func, cst.Assign, cst.AugAssign, cst.AnnAssign, cst.For, cst.WithItem, cst.NamedExpr
-    ):
+    nodes = ctx.own_nodes(func, *_BINDING_NODES) if ctx is not None else own_nodes(func, *_BINDING_NODES)
+    for node in nodes:
         if isinstance(node, cst.Assign):
             for target in node.targets:
                 if isinstance(target.target, cst.Name):
@@ -370,7 +414,7 @@ def path_facts(ctx: FileContext, node: cst.CSTNode, receiver: cst.CSTNode) -> se
     `try: ... except AttributeError`.
     """
     func = enclosing_function(ctx, node)
-    bindings = {**attribute_bindings(enclosing_class(ctx, node)), **local_bindings(func)}
+    bindings = {**attribute_bindings(enclosing_class(ctx, node)), **local_bindings(func, ctx)}
     cond = Condition(code_of(receiver), bindings)
     facts: set[str] = set()
 

@@ -366,7 +366,7 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
     ) -> bool:
         func = enclosing_function(ctx, call)
         scope: cst.CSTNode = func.body if func is not None else ctx.module
-        bindings = local_bindings(func)
+        bindings = local_bindings(func, ctx)
         key = code_of(weight)
         for node in own_nodes(scope, cst.Assign, cst.AnnAssign, cst.Call):
             if not is_before(ctx, node, call) or mutually_exclusive(ctx, node, call):

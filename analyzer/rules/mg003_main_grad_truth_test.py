@@ -308,7 +308,7 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
                 if func is None:
                     continue
                 if id(func) not in binding_cache:
-                    binding_cache[id(func)] = local_bindings(func)
+                    binding_cache[id(func)] = local_bindings(func, ctx)
                 bindings = binding_cache[id(func)]
             if not _is_main_grad_value(node, bindings):
                 continue

@@ -29,7 +29,6 @@ from maingrad.analyzer.facts import OVERWRITE_FLAG as FLAG
 from maingrad.analyzer.facts import WRAPPER_CLASS, is_test_path, is_wrapper_path
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.rules._common import (
-    all_nodes,
     code_of,
     enclosing_function,
     in_wrapper,
@@ -110,9 +109,10 @@ def _strategy_guarded(ctx: FileContext, node: cst.CSTNode) -> bool:
     """A test on the sharding strategy before `node` in its function makes the value strategy-derived."""
     func = enclosing_function(ctx, node)
     scope = func if func is not None else ctx.module
-    for test_owner in own_nodes(scope, cst.If, cst.While, cst.Assert, cst.IfExp):
+    for test_owner in ctx.own_nodes(scope, cst.If, cst.While, cst.Assert, cst.IfExp):
         test = test_owner.test  # type: ignore[attr-defined]
-        if _STRATEGY.search(code_of(test)) and is_before(ctx, test_owner, node):
+        # The cheap order test first: rendering the test's code is what costs.
+        if is_before(ctx, test_owner, node) and _STRATEGY.search(code_of(test)):
             return True
     return False
 
@@ -305,13 +305,16 @@ gradients the expert gradients are 0.71 (relative) away from autograd's own accu
         if is_test_path(ctx.path):
             return
         flagged: list[tuple[cst.SimpleStatementLine, cst.BaseSmallStatement]] = []
-        for line in all_nodes(ctx.module, cst.SimpleStatementLine):
-            assert isinstance(line, cst.SimpleStatementLine)
+        binding_cache: dict[int, dict[str, list[cst.BaseExpression]]] = {}  # by id(function)
+        for line in ctx.nodes(cst.SimpleStatementLine):
             for small in line.body:
                 value = _forced_value(small)
                 if value is None:
                     continue
-                bindings = local_bindings(enclosing_function(ctx, line))
+                func = enclosing_function(ctx, line)
+                if id(func) not in binding_cache:
+                    binding_cache[id(func)] = local_bindings(func, ctx)
+                bindings = binding_cache[id(func)]
                 if not _is_truthy_constant(value, bindings):
                     continue
                 if in_wrapper(ctx, line) or _strategy_guarded(ctx, line):
