@@ -19,7 +19,9 @@ import sys
 site = sys.argv[1]
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
 sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in getattr(h, "__module__", "")]
-sys.path[:] = [site] + [p for p in sys.path if p and not p.startswith(sys.argv[2])]
+root = sys.argv[2].rstrip("/")
+# this checkout only: a venv beside it (/x/repo-venv next to /x/repo) shares the prefix but not the folder
+sys.path[:] = [site] + [p for p in sys.path if p and p != root and not p.startswith(root + "/")]
 sys.path_importer_cache.clear()
 import maingrad.analyzer, maingrad.hooks, maingrad.service, maingrad.cli.main as cli
 for module in (maingrad.analyzer, maingrad.hooks, maingrad.service, cli):
