@@ -143,26 +143,39 @@ def analyze_source(
     `catch_rule_errors`, where the scan records it in `rule_errors` and keeps the other rules' findings.
     `gate`: apply the syntax gate (default: unless `MAINGRAD_NO_GATE` is set)."""
     settings = settings or RuleSettings()
-    if len(source) >= min_segment_chars():
-        segmented = _analyze_segmented(source, path, rules, settings, severities, catch_rule_errors, gate)
-        if segmented is not None:
-            return segmented
+    with gcpause.paused():  # one file's parse and analysis, all its pieces: see maingrad.analyzer.gcpause
+        if len(source) >= min_segment_chars():
+            segmented = _analyze_segmented(source, path, rules, settings, severities, catch_rule_errors, gate)
+            if segmented is not None:
+                return segmented
+        return _analyze_whole(source, path, rules, settings, severities, catch_rule_errors, gate)
+
+
+def _analyze_whole(
+    source: str,
+    path: str,
+    rules: Sequence[Rule],
+    settings: RuleSettings,
+    severities: dict[str, Severity] | None,
+    catch_rule_errors: bool,
+    gate: bool | None,
+) -> FileResult:
+    """A file analyzed as one module."""
     result = FileResult(path=path)
-    with gcpause.paused():  # one module's parse and analysis: see maingrad.analyzer.gcpause
-        active, tree = _gate(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
-        if not active:
-            return result
-        parsed = parse(source, path)
-        if isinstance(parsed, ParseError):
-            result.parse_error = parsed
-            return result
-        result.parsed = True
-        ctx = FileContext(path=path, source=source, module=parsed, settings=settings)
-        collected = _run_rules(ctx, active, catch_rule_errors, result)
-        if collected:
-            result.findings, result.fixes, result.anchors = _to_findings(
-                ctx, collected, severities or {}, tree=tree
-            )
+    active, tree = _gate(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
+    if not active:
+        return result
+    parsed = parse(source, path)
+    if isinstance(parsed, ParseError):
+        result.parse_error = parsed
+        return result
+    result.parsed = True
+    ctx = FileContext(path=path, source=source, module=parsed, settings=settings)
+    collected = _run_rules(ctx, active, catch_rule_errors, result)
+    if collected:
+        result.findings, result.fixes, result.anchors = _to_findings(
+            ctx, collected, severities or {}, tree=tree
+        )
     return result
 
 
@@ -203,27 +216,26 @@ def _analyze_segmented(
         return None
     seen: dict[tuple[str, str], int] = {}
     for piece in segment_pieces(source, chunks, lambda text: bool(needed_rules(text, needed))):
-        with gcpause.paused():  # one piece's parse and analysis: see maingrad.analyzer.gcpause
-            active, tree = _gate(
-                piece.source, path, needed_rules(piece.source, needed), settings, gate, catch_rule_errors
-            )
-            if not active:
-                continue
-            parsed = parse(piece.source, path)
-            if isinstance(parsed, ParseError):  # libcst rejects what `ast` accepted: report it where it is
-                line = piece.file_line(parsed.line) if parsed.line else None
-                result.parse_error = ParseError(path, parsed.message, line, parsed.column, parsed.kind)
-                result.findings, result.fixes, result.anchors = [], {}, {}
-                return result
-            result.parsed = True
-            ctx = FileContext(path=path, source=piece.source, module=parsed, settings=settings)
-            collected = _run_rules(ctx, active, catch_rule_errors, result)
-            if collected:
-                findings, fixes, anchors = _to_findings(ctx, collected, severities or {}, piece, seen, tree)
-                result.findings.extend(findings)
-                result.fixes.update(fixes)
-                result.anchors.update(anchors)
-            del ctx, parsed, collected, tree
+        active, tree = _gate(
+            piece.source, path, needed_rules(piece.source, needed), settings, gate, catch_rule_errors
+        )
+        if not active:
+            continue
+        parsed = parse(piece.source, path)
+        if isinstance(parsed, ParseError):  # libcst rejects what `ast` accepted: report it where it is
+            line = piece.file_line(parsed.line) if parsed.line else None
+            result.parse_error = ParseError(path, parsed.message, line, parsed.column, parsed.kind)
+            result.findings, result.fixes, result.anchors = [], {}, {}
+            return result
+        result.parsed = True
+        ctx = FileContext(path=path, source=piece.source, module=parsed, settings=settings)
+        collected = _run_rules(ctx, active, catch_rule_errors, result)
+        if collected:
+            findings, fixes, anchors = _to_findings(ctx, collected, severities or {}, piece, seen, tree)
+            result.findings.extend(findings)
+            result.fixes.update(fixes)
+            result.anchors.update(anchors)
+        del ctx, parsed, collected, tree
     return result
 
 

@@ -19,6 +19,7 @@ parameters and `self.linear_fc1` matches itself wherever it is written.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -93,9 +94,18 @@ def _no_space(whitespace: cst.BaseParenthesizableWhitespace) -> bool:
     return type(whitespace) is cst.SimpleWhitespace and whitespace.value == ""
 
 
+def literal_value(node: cst.SimpleString | cst.Integer) -> object:
+    """`node.evaluated_value` (libcst's `ast.literal_eval` of the token) without its garbage: literal_eval
+    defines recursive closures on every call, reference cycles that only the cyclic collector frees, and
+    the engine pauses it for a whole file (`maingrad.analyzer.gcpause`). One literal token parses to one
+    Constant, whose value is what literal_eval returns."""
+    body = ast.parse(node.value, mode="eval").body
+    return body.value if isinstance(body, ast.Constant) else node.evaluated_value
+
+
 def string_value(node: cst.CSTNode | None) -> str | None:
     if isinstance(node, cst.SimpleString):
-        value = node.evaluated_value
+        value = literal_value(node)
         return value if isinstance(value, str) else None
     return None
 
@@ -166,7 +176,7 @@ def is_false_constant(node: cst.CSTNode) -> bool:
     """Literals that are provably falsy: False, None, 0."""
     if isinstance(node, cst.Name) and node.value in ("False", "None"):
         return True
-    return isinstance(node, cst.Integer) and node.evaluated_value == 0
+    return isinstance(node, cst.Integer) and literal_value(node) == 0
 
 
 # Scopes ----------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from maingrad.analyzer.facts import CONTAINER_NAMES, CONTAINERS, HOOKABLE_CONTAI
 from maingrad.analyzer.facts import PRE_HOOKS_ATTR as _REPLAY_TEXT
 from maingrad.analyzer.names import dotted_name, names_match, package_of, resolve_relative
 from maingrad.analyzer.rules._common import first_param as _first_param
-from maingrad.analyzer.rules._common import local_bindings
+from maingrad.analyzer.rules._common import literal_value, local_bindings
 from maingrad.analyzer.rules.base import Example, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex, pos
 from maingrad.contracts.report import Severity
@@ -94,7 +94,7 @@ def _covers(coverage: set[tuple[str, bool]], owner: str) -> bool:
 def _string_text(node: cst.BaseExpression) -> str | None:
     """Literal text of a string or the literal parts of an f-string."""
     if isinstance(node, cst.SimpleString):
-        value = node.evaluated_value
+        value = literal_value(node)
         return value if isinstance(value, str) else None
     if isinstance(node, cst.FormattedString):
         return "".join(p.value for p in node.parts if isinstance(p, cst.FormattedStringText))

@@ -33,6 +33,7 @@ from maingrad.analyzer.rules._common import (
     enclosing_function,
     in_wrapper,
     is_before,
+    literal_value,
     local_bindings,
     own_nodes,
     single_binding,
@@ -71,7 +72,7 @@ def _is_truthy_constant(node: cst.BaseExpression, bindings: dict[str, list[cst.B
     if isinstance(node, cst.Name) and node.value == "True":
         return True
     if isinstance(node, cst.Integer):
-        return node.evaluated_value != 0
+        return literal_value(node) != 0
     bound = single_binding(bindings, node)
     return bound is not None and bound is not node and _is_truthy_constant(bound, {})
 
