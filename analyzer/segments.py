@@ -27,12 +27,13 @@ A whole-file `ast.parse` of a 5 MB module holds about 0.9 GB, and a whole-file `
 from __future__ import annotations
 
 import ast
-import gc
 import os
 import re
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+from maingrad.analyzer import gcpause
 
 SEGMENT_MIN_CHARS = 1_000_000
 CHUNK_CHARS = 32_000
@@ -116,10 +117,7 @@ def split(source: str) -> list[Chunk] | None:
             bounds.append((offset, line))
     bounds.append((len(source), source.count("\n", bounds[-1][0]) + bounds[-1][1]))
     chunks: list[Chunk] = []
-    paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
+    with gcpause.paused():
         index = 0
         while index < len(bounds) - 1:
             step = 1
@@ -138,9 +136,6 @@ def split(source: str) -> list[Chunk] | None:
             del tree
             chunks.append(chunk)
             index = last
-    finally:
-        if paused:
-            gc.enable()
     return chunks
 
 

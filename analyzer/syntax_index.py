@@ -25,7 +25,6 @@ not import libcst: it runs before libcst is needed.
 from __future__ import annotations
 
 import ast
-import gc
 import io
 import os
 import re
@@ -33,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from maingrad.analyzer import gcpause
 from maingrad.analyzer.facts import (
     BOOL_PREFIX,
     CAST_METHODS,
@@ -183,20 +183,15 @@ def build_index(source: str, path: str) -> SyntaxIndex | None:
 
     The cyclic garbage collector is paused meanwhile: parsing allocates hundreds of thousands of acyclic
     nodes (freed by reference counting), and collections triggered by them cost a third of the time."""
-    paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
-        tree = ast.parse(source, filename=path)
-        index = SyntaxIndex(path=path, source=source, tree=tree)
-        _Builder(index).run(tree)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException:  # SyntaxError, ValueError (NUL bytes), RecursionError, MemoryError, ...
-        return None
-    finally:
-        if paused:
-            gc.enable()
+    with gcpause.paused():
+        try:
+            tree = ast.parse(source, filename=path)
+            index = SyntaxIndex(path=path, source=source, tree=tree)
+            _Builder(index).run(tree)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # SyntaxError, ValueError (NUL bytes), RecursionError, MemoryError, ...
+            return None
     return index
 
 
