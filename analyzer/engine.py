@@ -162,21 +162,41 @@ def _analyze_whole(
 ) -> FileResult:
     """A file analyzed as one module."""
     result = FileResult(path=path)
-    active, tree = _gate(source, path, needed_rules(source, rules), settings, gate, catch_rule_errors)
+    checked = _check_module(
+        source, path, needed_rules(source, rules), settings, gate, catch_rule_errors, result
+    )
+    if isinstance(checked, ParseError):
+        result.parse_error = checked
+    elif checked is not None:
+        ctx, collected, tree = checked
+        if collected:
+            result.findings, result.fixes, result.anchors = _to_findings(
+                ctx, collected, severities or {}, tree=tree
+            )
+    return result
+
+
+def _check_module(
+    source: str,
+    path: str,
+    needed: Sequence[Rule],
+    settings: RuleSettings,
+    gate: bool | None,
+    catch_rule_errors: bool,
+    result: FileResult,
+) -> tuple[FileContext, list[tuple[Rule, Violation]], ast.Module | None] | ParseError | None:
+    """Gate, parse and run the rules on one module (a whole file or one piece of a large one): its context,
+    the violations and the gate's `ast` tree; None when the gate leaves no rule to run; the ParseError when
+    libcst rejects it (its lines are the module's own)."""
+    active, tree = _gate(source, path, needed, settings, gate, catch_rule_errors)
     if not active:
-        return result
+        return None
     parsed = parse(source, path)
     if isinstance(parsed, ParseError):
-        result.parse_error = parsed
-        return result
+        return parsed
     result.parsed = True
     ctx = FileContext(path=path, source=source, module=parsed, settings=settings)
-    collected = _run_rules(ctx, active, catch_rule_errors, result)
-    if collected:
-        result.findings, result.fixes, result.anchors = _to_findings(
-            ctx, collected, severities or {}, tree=tree
-        )
-    return result
+    return ctx, _run_rules(ctx, active, catch_rule_errors, result), tree
 
 
 def _run_rules(
@@ -216,26 +236,23 @@ def _analyze_segmented(
         return None
     seen: dict[tuple[str, str], int] = {}
     for piece in segment_pieces(source, chunks, lambda text: bool(needed_rules(text, needed))):
-        active, tree = _gate(
-            piece.source, path, needed_rules(piece.source, needed), settings, gate, catch_rule_errors
+        checked = _check_module(
+            piece.source, path, needed_rules(piece.source, needed), settings, gate, catch_rule_errors, result
         )
-        if not active:
+        if checked is None:
             continue
-        parsed = parse(piece.source, path)
-        if isinstance(parsed, ParseError):  # libcst rejects what `ast` accepted: report it where it is
-            line = piece.file_line(parsed.line) if parsed.line else None
-            result.parse_error = ParseError(path, parsed.message, line, parsed.column, parsed.kind)
+        if isinstance(checked, ParseError):  # libcst rejects what `ast` accepted: report it where it is
+            line = piece.file_line(checked.line) if checked.line else None
+            result.parse_error = ParseError(path, checked.message, line, checked.column, checked.kind)
             result.findings, result.fixes, result.anchors = [], {}, {}
             return result
-        result.parsed = True
-        ctx = FileContext(path=path, source=piece.source, module=parsed, settings=settings)
-        collected = _run_rules(ctx, active, catch_rule_errors, result)
+        ctx, collected, tree = checked
         if collected:
             findings, fixes, anchors = _to_findings(ctx, collected, severities or {}, piece, seen, tree)
             result.findings.extend(findings)
             result.fixes.update(fixes)
             result.anchors.update(anchors)
-        del ctx, parsed, collected, tree
+        del ctx, collected, tree, checked
     return result
 
 
