@@ -674,6 +674,10 @@ class _Preflight:
         self.copy_dtypes: set[str] = set()
         self.first_loss: Any = None  # what run_microbatch returned for micro-batch A alone
         self.rng = RngState(rng_states)  # the caller's random state: every micro-batch starts from it
+        # What the wrapper's between-steps calls already hold (see _prepare and _zero): nothing at the start,
+        # since the caller's state is unknown.
+        self.synced = False  # prepare() or commit() ran after the last change of the weights
+        self.zeroed = False  # zero() ran after the last backward
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{_leaf_pattern(e.leaf)}"
@@ -711,17 +715,47 @@ class _Preflight:
         )
         return self.rtol if self.rtol is not None else max(8 * u, 4e-6)
 
+    # -- the wrapper's calls ----------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """The training loop's call after an optimizer step (Megatron-FSDP's `start_param_sync()`: the
+        parameter all-gather, 2.7 ms per call on the H200's 64-expert layer), made only where the weights
+        changed since the last one. Between runs with unchanged weights it is redundant, as it is between two
+        accumulation steps without an optimizer step: the wrapper's own forward swaps the module's parameters
+        back and gathers what it needs, so the same weights reach the forward either way."""
+        if not self.synced:
+            self.adapter.prepare()
+            self.synced = True
+
+    def _commit(self) -> None:
+        """Install weights moved in place (and prepare them for the next forward)."""
+        self.adapter.commit()
+        self.synced = True
+
+    def _zero(self) -> None:
+        """Zero the gradient buffers through the wrapper, unless nothing ran backward since they were zeroed
+        (zeroing twice is zeroing once: the buffers, and Megatron's per-parameter `grad_added_to_main_grad`
+        flags, end the same)."""
+        if not self.zeroed:
+            self.adapter.zero()
+            self.zeroed = True
+
+    def _microbatch(self, batch: Any) -> Any:
+        """One of the training code's own forward+backward passes, from the caller's random state."""
+        self.rng.apply()
+        self.zeroed = False
+        loss = self.run_microbatch(self.model, batch)
+        self.passes += 1
+        return loss
+
     # -- running micro-batches ---------------------------------------------------------------------------------
     def _run(self, key: str, batches: Sequence[Any]) -> list[torch.Tensor | None]:
         """Zero, run the micro-batches from the saved random state each, finish the sync; the flattened
         gradients the optimizer would read (the wrapper's own tensors: never kept past the next run), their
         squared norms and subset recorded under `key`."""
-        self.adapter.prepare()
-        self.adapter.zero()
+        self._prepare()
+        self._zero()
         for batch in batches:
-            self.rng.apply()
-            loss = self.run_microbatch(self.model, batch)
-            self.passes += 1
+            loss = self._microbatch(batch)
             if key == "A" and self.loss_fn is None:  # the finite differences' base value
                 self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         self.adapter.finish()
@@ -737,17 +771,16 @@ class _Preflight:
         return flats
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        self.rng.apply()
         if self.loss_fn is not None:
+            self.rng.apply()
             self.forwards += 1
             with torch.no_grad():
                 loss = self.loss_fn(self.model, batch)
         else:
-            self.adapter.prepare()
-            self.adapter.zero()
-            loss = self.run_microbatch(self.model, batch)
+            self._prepare()
+            self._zero()
+            loss = self._microbatch(batch)
             self.adapter.finish()
-            self.passes += 1
         return self._as_loss(loss)
 
     def _as_loss(self, loss: Any) -> torch.Tensor:
@@ -866,7 +899,7 @@ class _Preflight:
             group.unit = max(unit_roundoff(self.adapter.compute_dtype(self.entries[i])) for i in indexes)
             out.append(group)
             evaluations.append((group, indexes, *self._fd_eval(indexes, grads, zero, sizes, 1.0)))
-        self.adapter.commit()  # the restored weights, installed once for all groups
+        self._commit()  # the restored weights, installed once for all groups
         for j, (_, _, loss, pred) in enumerate(evaluations):
             self.stats.add("fd_plus", [j], loss, shard_sum=False)
             self.stats.add("fd_pred_plus", [j], pred)
@@ -884,7 +917,7 @@ class _Preflight:
                 loss, pred = self._fd_eval(indexes, grads, group.zero_gradient, sizes, -1.0)
                 self.stats.add("fd_minus", [j], loss, shard_sum=False)
                 self.stats.add("fd_pred_minus", [j], pred)
-            self.adapter.commit()
+            self._commit()
             central = _floats(self.host(("fd_minus", "fd_pred_minus")))
             for j, group, _ in retry:
                 fd = (host["fd_plus"][j] - central["fd_minus"][j]) / 2
@@ -905,6 +938,7 @@ class _Preflight:
             saved = _copies(flat if flat is not None else targets)
         pred: torch.Tensor | None = None
         try:
+            self.synced = False  # the weights move from here on
             with torch.no_grad():
                 for j, i in enumerate(indexes):
                     g = grads[i]
@@ -919,11 +953,12 @@ class _Preflight:
                         pred = self._move(indexes, flat, saved, grads, sizes, sign)
                     else:
                         pred = self._move_each(indexes, targets, saved, grads, sizes, sign)
-            adapter.commit()
+            self._commit()
             loss = self._loss(self.batches[0])
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(flat if flat is not None else targets, saved)
+            self.synced = False  # restored, installed by the next commit
         if pred is None:
             pred = torch.zeros((), device=targets[0].device)
         return loss, pred
@@ -1110,7 +1145,7 @@ def _execute(check: _Preflight) -> PreflightResult:
         live = check.run_a()
         check.keep_copy(live)  # the (rounded) copy of G(A): the finite differences' directions too
         del live
-        adapter.zero()  # releases the wrapper's own G(A) (Megatron-FSDP, plain .grad) while the weights move
+        check._zero()  # releases the wrapper's own G(A) (Megatron-FSDP, plain .grad) while the weights move
         lap("runs")
         if check.finite_differences:
             directions = list(check.copy)

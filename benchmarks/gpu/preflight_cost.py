@@ -9,12 +9,22 @@ Per strategy (STRATEGIES, default no_shard and optim_grads_params):
   finish_grad_sync, in a step as in preflight);
 - preflight (default settings, loss_fn given): the median wall time of REPEATS calls after one warm-up call, and
   its peak memory above the same base;
-- steps and calls interleaved: REPEATS rounds of STEPS steps then one preflight call, so that a drift of the
-  machine's speed (seen between sessions: the same step 54-93 ms) hits both alike; each round's own ratio is
-  printed too;
-- reported: preflight time / step time (target <= 4), (preflight peak - step peak) / the bytes of the gradients
-  the optimizer reads (target <= 1), the passes preflight ran, and whether the model's weights and the loss of a
-  forward are bit-identical before and after preflight (it must leave no trace).
+- one full training step as Megatron's training loop runs it (OPTIMIZER=1, default): the step above plus
+  `optimizer.step()` of megatron-core's own optimizer for the model (`get_megatron_optimizer`, Adam, bf16,
+  distributed optimizer, gradient clipping at 1.0: the Adam update of the fp32 main weights, their install into
+  the model weights and `start_param_sync()`); where megatron-core cannot build it, torch's AdamW over the
+  optimizer's parameters followed by the same install and sync (the line OPTIMIZER says which);
+- steps and calls interleaved: REPEATS rounds of STEPS steps of each kind then one preflight call, so that a
+  drift of the machine's speed (seen between sessions: the same step 54-93 ms) hits both alike; each round's
+  own ratio is printed too;
+- reported: preflight time / step time for both steps (target <= 4; the step without the optimizer is the
+  stricter yardstick), (preflight peak - step peak) / the bytes of the gradients the optimizer reads (target
+  <= 1), the passes preflight ran, and whether the model's weights and the loss of a forward are bit-identical
+  before and after every preflight call (it must leave no trace; the optimizer moves them between calls).
+
+With BASELINE=1 every round also times one call with the wrapper's between-steps calls made before every run
+(`start_param_sync()` and `zero_grad_buffer()`, as preflight made them before it skipped the redundant ones),
+first or second in alternate rounds: what skipping them saves, paired round by round.
 
 With PHASES=1 (default) one more, untimed call per strategy runs with every part of preflight wrapped in
 device syncs: a PHASE line per part (calls, milliseconds including the syncs, peak memory above the base while
@@ -23,7 +33,7 @@ the most time of their own).
 
 usage (GPU machine): PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19 python3 benchmarks/gpu/preflight_cost.py
 env: EXPERTS (64), HIDDEN (1024), FFN (1024), TOKENS (4096), STRATEGIES, STEPS (4 per round), WARMUP (3),
-REPEATS (5 rounds), PHASES (1), PROFILE (0)
+REPEATS (5 rounds), OPTIMIZER (1), BASELINE (0), PHASES (1), PROFILE (0)
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ STEPS = int(os.environ.get("STEPS", "4"))
 WARMUP = int(os.environ.get("WARMUP", "3"))
 REPEATS = int(os.environ.get("REPEATS", "5"))
 STRATEGIES = os.environ.get("STRATEGIES", "no_shard,optim_grads_params").split(",")
+OPTIMIZER = os.environ.get("OPTIMIZER", "1") == "1"
+BASELINE = os.environ.get("BASELINE", "0") == "1"
 PHASES = os.environ.get("PHASES", "1") == "1"
 PROFILE = os.environ.get("PROFILE", "0") == "1"
 
@@ -78,6 +90,49 @@ def train_step(model, data) -> None:
     for batch in data:
         run_microbatch(model, batch)
     model.finish_grad_sync()
+
+
+class TorchAdam:
+    """torch's AdamW over Megatron-FSDP's optimizer parameters, then what megatron-core's DistributedOptimizer
+    does after its update for Megatron-FSDP: install the main weights into the model weights, start the sync."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        params = [p for _, p in model.param_and_grad_buffer.optimizer_named_parameters]
+        self.opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, foreach=True)
+
+    def zero_grad(self) -> None:
+        pass  # the gradients are Megatron-FSDP's buffer, zeroed by zero_grad_buffer()
+
+    def step(self) -> None:
+        self.opt.step()
+        self.model.module.install_optimized_model_weights()
+        self.model.start_param_sync()
+
+
+def make_optimizer(model):
+    """megatron-core's own optimizer for the model, as its training loop builds it; torch's AdamW otherwise."""
+    try:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam", lr=1e-6, min_lr=0.0, weight_decay=0.0, bf16=True, params_dtype=torch.bfloat16,
+            use_distributed_optimizer=True, clip_grad=1.0,
+        )  # fmt: skip
+        return get_megatron_optimizer(config, [model]), "megatron-core get_megatron_optimizer (Adam)"
+    except Exception as exc:  # noqa: BLE001 - reported, and the fallback measured instead
+        why = f"{type(exc).__name__}: {exc}"[:200]
+        return TorchAdam(model), f"torch AdamW + install + start_param_sync (megatron-core's: {why})"
+
+
+def full_step(model, optimizer, data) -> None:
+    """One iteration of Megatron's training loop: zero, the micro-batches, the grad sync, the optimizer step."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    for batch in data:
+        run_microbatch(model, batch)
+    model.finish_grad_sync()
+    optimizer.step()
 
 
 def weights(model) -> list[torch.Tensor]:
@@ -232,31 +287,88 @@ def measure(strategy: str) -> None:
             preflight(model, run_microbatch, data, loss_fn=loss_fn, label=f"64 experts {strategy}")
         )
 
+    def every_run_call() -> None:
+        """BASELINE: the wrapper's between-steps calls before every run, as preflight made them before it
+        skipped the redundant ones (start_param_sync() before each run, zero_grad_buffer() also where nothing
+        ran backward since the last zeroing); everything else identical."""
+        from maingrad.hooks.preflight_check import _Preflight
+
+        saved = _Preflight._prepare, _Preflight._zero
+        _Preflight._prepare = lambda self: self.adapter.prepare()  # type: ignore[method-assign]
+        _Preflight._zero = lambda self: self.adapter.zero()  # type: ignore[method-assign]
+        try:
+            preflight(model, run_microbatch, data, loss_fn=loss_fn)
+        finally:
+            _Preflight._prepare, _Preflight._zero = saved
+
     timed(call)  # warm-up
-    times, peaks, pf_times, pf_peaks, rounds = [], [], [], [], []
-    for _ in range(REPEATS):
-        round_times = []
+    if BASELINE:
+        timed(every_run_call)
+    after = weights(model)
+    with torch.no_grad():
+        loss_after = loss_fn(model, data[0]).item()
+    same = [_equal(before, after) and loss_before == loss_after]
+    optimizer, optimizer_kind = make_optimizer(model) if OPTIMIZER else (None, "off")
+    if optimizer is not None:
+        try:
+            timed(lambda: full_step(model, optimizer, data))
+        except Exception as exc:  # noqa: BLE001 - megatron-core's optimizer built but cannot step here
+            why = f"{type(exc).__name__}: {exc}"[:200]
+            optimizer, optimizer_kind = TorchAdam(model), f"torch AdamW + install + start_param_sync ({why})"
+        say(f"OPTIMIZER {strategy}: {optimizer_kind}")
+        for _ in range(WARMUP):
+            timed(lambda: full_step(model, optimizer, data))
+    times, peaks, full_times, full_peaks, pf_times, pf_peaks, rounds, full_rounds = ([] for _ in range(8))
+    baseline_times: list[float] = []
+    for r in range(REPEATS):
+        round_times, round_full = [], []
         for _ in range(STEPS):
             t, peak = timed(lambda: train_step(model, data))
             round_times.append(t)
             peaks.append(peak)
+        if optimizer is not None:
+            for _ in range(STEPS):
+                t, peak = timed(lambda: full_step(model, optimizer, data))
+                round_full.append(t)
+                full_peaks.append(peak)
+        if BASELINE and r % 2 == 1:  # after the steps, before or after the call in alternate rounds
+            baseline_times.append(timed(every_run_call)[0])
+        before = weights(model)
+        with torch.no_grad():
+            loss_before = loss_fn(model, data[0]).item()
         t, peak = timed(call)
+        after = weights(model)
+        with torch.no_grad():
+            loss_after = loss_fn(model, data[0]).item()
+        same.append(_equal(before, after) and loss_before == loss_after)
+        del before, after
+        if BASELINE and r % 2 == 0:
+            baseline_times.append(timed(every_run_call)[0])
         times += round_times
+        full_times += round_full
         pf_times.append(t)
         pf_peaks.append(peak)
         rounds.append(t / statistics.median(round_times))
-    after = weights(model)
-    with torch.no_grad():
-        loss_after = loss_fn(model, data[0]).item()
-    same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    step, step_peak = statistics.median(times), max(peaks)
-    pf = statistics.median(pf_times)
-    pf_peak = max(pf_peaks)
-    result = results[-1]
+        if round_full:
+            full_rounds.append(t / statistics.median(round_full))
+    diagnose(strategy, model, data)
+    say(results[-1].table())
+    report(
+        strategy, results[-1], gbytes, same,
+        times=times, peaks=peaks, full_times=full_times, full_peaks=full_peaks, pf_times=pf_times,
+        pf_peaks=pf_peaks, rounds=rounds, full_rounds=full_rounds, baseline_times=baseline_times,
+    )  # fmt: skip
+
+
+def diagnose(strategy: str, model, data) -> None:
+    """PHASES and PROFILE: untimed calls that say where the time goes."""
+    from maingrad.hooks import preflight
+
     if PHASES:
         phases = Phases()
         phases.install()
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         phases.base = torch.cuda.memory_allocated()
         phases.stack = [[time.perf_counter(), phases.base]]
         try:
@@ -280,25 +392,56 @@ def measure(strategy: str) -> None:
         for line in text.getvalue().splitlines():
             if line.strip():
                 say(f"PROFILE {strategy}: {line}")
-    say(result.table())
+
+
+def report(strategy: str, result, gbytes: int, same: list[bool], **m: list) -> None:
+    """The RESULT, BASELINE, RESULT-FULL, MEMORY and TRACE lines of one strategy."""
+    times, pf_times = m["times"], m["pf_times"]
+    step, step_peak = statistics.median(times), max(m["peaks"])
+    pf, pf_peak = statistics.median(pf_times), max(m["pf_peaks"])
     say(
         f"RESULT {strategy}: step {step * 1e3:.1f} ms (median of {len(times)}, min {min(times) * 1e3:.1f}, max "
-        f"{max(times) * 1e3:.1f}); preflight {pf * 1e3:.1f} ms (median of {REPEATS}: "
+        f"{max(times) * 1e3:.1f}); preflight {pf * 1e3:.1f} ms (median of {len(pf_times)}: "
         f"{', '.join(f'{t * 1e3:.1f}' for t in pf_times)}) = {pf / step:.2f} steps (per round: "
-        f"{', '.join(f'{r:.2f}' for r in rounds)}); "
+        f"{', '.join(f'{r:.2f}' for r in m['rounds'])}); "
         f"{result.cost['microbatch_passes']} passes + {result.cost['forward_passes']} forwards "
         f"({result.cost['fd_groups']} groups); status {result.status}; seconds by part "
         f"{result.cost['seconds_by_part']}"
     )
+    baseline_times = m["baseline_times"]
+    if baseline_times:
+        base_pf = statistics.median(baseline_times)
+        paired = [b - t for b, t in zip(baseline_times, pf_times, strict=True)]
+        say(
+            f"BASELINE {strategy}: the calls before every run (the scheduling before) {base_pf * 1e3:.1f} ms "
+            f"(median of {len(baseline_times)}) = {base_pf / step:.2f} steps, against {pf * 1e3:.1f} ms now; "
+            f"per round, before minus now: median {statistics.median(paired) * 1e3:.1f} ms, "
+            f"{sum(d > 0 for d in paired)} of {len(paired)} rounds slower before "
+            f"({', '.join(f'{d * 1e3:.0f}' for d in paired)})"
+        )
+    full_times = m["full_times"]
+    if full_times:
+        full = statistics.median(full_times)
+        say(
+            f"RESULT-FULL {strategy}: full training step (with optimizer.step) {full * 1e3:.1f} ms (median of "
+            f"{len(full_times)}, min {min(full_times) * 1e3:.1f}, max {max(full_times) * 1e3:.1f}); preflight "
+            f"{pf * 1e3:.1f} ms = {pf / full:.2f} full steps (per round: "
+            f"{', '.join(f'{r:.2f}' for r in m['full_rounds'])}); full step peak "
+            f"+{max(m['full_peaks']) / 2**20:.1f} MiB"
+        )
     say(
         f"MEMORY {strategy}: gradients {gbytes / 2**20:.1f} MiB; step peak +{step_peak / 2**20:.1f} MiB; "
         f"preflight peak +{pf_peak / 2**20:.1f} MiB; extra over a step {(pf_peak - step_peak) / 2**20:.1f} MiB "
         f"= {(pf_peak - step_peak) / gbytes:.2f} x the gradients"
     )
     say(
-        f"TRACE {strategy}: weights bit-identical after {REPEATS + 1} preflights: {same}; loss of A before "
-        f"{loss_before!r} after {loss_after!r} equal: {loss_before == loss_after}"
+        f"TRACE {strategy}: weights and the loss of A bit-identical before and after each of {len(same)} "
+        f"preflight calls: {all(same)} ({sum(same)} of {len(same)})"
     )
+
+
+def _equal(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    return len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def main() -> None:

@@ -1,0 +1,179 @@
+"""preflight calls the wrapper's between-steps API only where it changes something.
+
+Megatron-FSDP's `start_param_sync()` (the parameter all-gather after an optimizer step) is needed after the
+weights changed (the finite differences install perturbed, then restored weights) and redundant between runs
+with unchanged weights; zeroing gradient buffers that nothing wrote since they were zeroed is redundant too.
+`GatheredFSDP` makes a missing sync visible: its forward computes with a gathered copy of the weights that only
+`start_param_sync()` refreshes, as the unsharded buffers of a sharded strategy do. Every verdict must be the one
+of the emulator that needs no sync, with one sync per change of the weights and no more."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from emulators import DenseBlock, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
+
+from maingrad.hooks.preflight_check import preflight
+
+
+class MainWeightsFSDP(MegatronFSDP):
+    """The Megatron-FSDP emulator with fp32 main weights as the optimizer's parameters (their .grad the fp32
+    buffer), copied into the bf16 module weights by install_optimized_model_weights(); counts its calls."""
+
+    def __init__(self, module: torch.nn.Module, strategy: str, **kwargs) -> None:
+        super().__init__(module, strategy, unit_types=(), data_parallel_size=1, **kwargs)
+        self.dist = {n: torch.nn.Parameter(self.raw[n].detach().float()) for n in self.names}
+        for name, param in self.dist.items():
+            param.__fsdp_param__ = True
+            param.orig_param = self.raw[name]
+        self._replace(self.dist)
+        self.param_and_grad_buffer = types.SimpleNamespace(optimizer_named_parameters=list(self.dist.items()))
+        self.calls: list[str] = []
+
+    def _to_model_weights(self) -> None:
+        with torch.no_grad():
+            for name in self.names:
+                self.raw[name].copy_(self.dist[name])
+
+    def install_optimized_model_weights(self) -> None:
+        super().install_optimized_model_weights()
+        self.calls.append("install")
+        self._to_model_weights()
+
+    def zero_grad_buffer(self) -> None:
+        self.calls.append("zero")
+        super().zero_grad_buffer()
+
+    def finish_grad_sync(self) -> None:
+        self.calls.append("finish")
+        super().finish_grad_sync()
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        self.calls.append("forward")
+        return super().forward(*args, **kwargs)
+
+    def _root_post_backward(self) -> None:
+        self.calls.append("backward")
+        super()._root_post_backward()
+
+
+class GatheredFSDP(MainWeightsFSDP):
+    """Installed weights reach the forward only through start_param_sync() (the all-gather into the buffers the
+    forward computes with): without it the forward keeps computing with the weights of the last sync."""
+
+    def __init__(self, module: torch.nn.Module, strategy: str, **kwargs) -> None:
+        super().__init__(module, strategy, **kwargs)
+        self.staged = {n: self.raw[n].detach().clone() for n in self.names}
+
+    def install_optimized_model_weights(self) -> None:
+        self.installs += 1
+        self.calls.append("install")
+        with torch.no_grad():
+            for name in self.names:
+                self.staged[name].copy_(self.dist[name])
+
+    def start_param_sync(self) -> None:
+        self.calls.append("sync")
+        with torch.no_grad():
+            for name in self.names:
+                self.raw[name].copy_(self.staged[name])
+
+
+def _bf16(make, middle: str, strategy: str, semantics: str = "main") -> MainWeightsFSDP:
+    torch.manual_seed(0)
+    return make(DenseBlock(middle).to(torch.bfloat16), strategy, semantics=semantics)
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x.bfloat16(), t.bfloat16()) for x, t in dense_batches(n, tokens=16)]
+
+
+CASES = {
+    "accumulates": ("te", "no_shard", "main", {}),
+    "overwritten": ("te", "optim_grads_params", "main", {"mid.weight": ["grad_overwritten"]}),
+    "overwritten+scaled": (
+        "basic",
+        "optim_grads_params",
+        "main",
+        {"mid.weight": ["grad_overwritten", "grad_scaled"]},
+    ),
+    "lost": ("guarded", "no_shard", "main", {"mid.weight": ["grad_lost"]}),
+    "megatron-linear": ("megatron", "no_shard", "6773", {"mid.weight": ["grad_overwritten"]}),
+}
+
+
+def _verdicts(result) -> dict[str, list[str]]:
+    return {p.name: p.anomalies for p in result.params if p.anomalies}
+
+
+def _check_call_order(calls: list[str], syncs: bool = True) -> None:
+    """Every forward after an install sees a sync first; no sync without an install since the last one (but
+    the first); every run's first backward starts from zeroed buffers; no zero without a backward since the
+    last one (but the final clean-up, which preflight always makes)."""
+    synced, installed = False, False
+    clean, in_run = False, False
+    zeros_since_backward = 0
+    for i, call in enumerate(calls):
+        if call == "install":
+            installed, synced = True, False
+        elif call == "sync":
+            assert not synced or i == 0, f"redundant sync at {i}: {calls}"
+            synced, installed = True, False
+        elif call == "forward":
+            assert not (syncs and installed), (
+                f"forward at {i} computes with weights installed but not synced: {calls}"
+            )
+        elif call == "zero":
+            zeros_since_backward += 1
+            assert zeros_since_backward == 1 or i == len(calls) - 1, f"redundant zero at {i}: {calls}"
+            clean = True
+        elif call == "backward":
+            if not in_run:
+                assert clean, f"a run's first backward at {i} adds to unzeroed buffers: {calls}"
+            in_run, clean, zeros_since_backward = True, False, 0
+        elif call == "finish":
+            in_run = False
+
+
+@pytest.mark.parametrize("loss_fn", [mse_loss, None], ids=["loss_fn", "run_microbatch"])
+@pytest.mark.parametrize("n", [2, 1], ids=["A,B", "A twice"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_forward_after_changed_weights_always_follows_a_sync(case: str, n: int, loss_fn) -> None:
+    middle, strategy, semantics, expected = CASES[case]
+    plain = _bf16(MainWeightsFSDP, middle, strategy, semantics)
+    gathered = _bf16(GatheredFSDP, middle, strategy, semantics)
+    before = {k: v.detach().clone() for k, v in gathered.raw.items()}
+    reference = preflight(plain, mse_microbatch, _batches(n), loss_fn=loss_fn)
+    result = preflight(gathered, mse_microbatch, _batches(n), loss_fn=loss_fn)
+
+    assert result.error is None, result.error
+    assert _verdicts(result) == _verdicts(reference) == expected, result.table()
+    for p, q in zip(result.params, reference.params, strict=True):
+        assert (p.rel_sum, p.rel_twice, p.fit, p.fd_scale) == (q.rel_sum, q.rel_twice, q.fit, q.fd_scale)
+    assert all(torch.equal(before[k], gathered.raw[k]) for k in before)  # the forward's weights are back too
+    assert all(torch.equal(gathered.staged[k], gathered.raw[k]) for k in before)
+
+    _check_call_order(gathered.calls)
+    _check_call_order(plain.calls, syncs=False)  # no start_param_sync: installs reach the forward at once
+    installs = gathered.calls.count("install")
+    central = sum(g.method == "central" for g in result.groups)  # one more evaluation each, then one restore
+    assert installs == result.cost["fd_groups"] + 1 + (central + 1 if central else 0)
+    assert gathered.calls.count("sync") == 1 + installs  # before A and after every install, never more
+
+
+def test_sync_counts_on_a_failing_model() -> None:
+    """An overwriting model with loss_fn: A, the finite differences, B, A then B, the repeat of A. Before this
+    change every run started with a sync and a zero (5 syncs, 5 zeros + release + clean-up); now the sync comes
+    only after A's start and each install, and the zero only where a backward ran since the last one."""
+    model = _bf16(GatheredFSDP, "te", "optim_grads_params")
+    result = preflight(model, mse_microbatch, _batches(2), loss_fn=mse_loss)
+    assert result.status == "fail"
+    groups = result.cost["fd_groups"]
+    assert model.calls.count("install") == groups + 1
+    assert model.calls.count("sync") == 1 + groups + 1
+    # zero: before A, release after A, before A-then-B, before the repeat, the final clean-up (none before B:
+    # nothing ran backward after the release)
+    assert model.calls.count("zero") == 5
+    assert model.calls.count("finish") == 4  # A, B, A then B, the repeat
