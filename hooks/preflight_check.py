@@ -64,11 +64,13 @@ differences run, one copy of the largest group's weights plus FD_CHUNK elements 
 are a few multi-tensor launches per FD_CHUNK elements, not about ten per parameter; gradient reads stay on the
 device: three host syncs when it passes (the gradient and weight norms that size the perturbations, the
 forward differences, the one comparison at the end), one more for central differences and one for the repeat
-of A when something fails; never one per parameter. On the H200's 64-expert layer (bf16, fp32 main_grad,
-Megatron-FSDP): 574 MiB above a training step's peak, 0.73x the 784 MiB of gradients; 3.8 training steps of
-wall time when it passes and 4.05 when it fails (medians of 30 rounds interleaved with steps, two sessions),
-most of it the passes, the forwards and the wrapper's own zero/finish/install calls (docs/gpu-evidence.md
-section 7).
+of A when something fails; never one per parameter. The wrapper's between-steps calls follow the training
+loop: zero before a run only after a backward, start_param_sync only after the weights changed, an install
+after every move of the weights. On the H200's 64-expert layer (bf16, fp32 main_grad, Megatron-FSDP): 574 MiB
+above a training step's peak, 0.73x the 784 MiB of gradients; in full training steps (optimizer step
+included) 3.35 of wall time when it passes and 3.80 when it fails, in steps without the optimizer 3.50 and
+4.11 (medians of 50 rounds interleaved with steps, three runs), most of it the passes, the forwards and the
+wrapper's own finish/install calls (docs/gpu-evidence.md section 7).
 """
 
 from __future__ import annotations
@@ -717,11 +719,14 @@ class _Preflight:
 
     # -- the wrapper's calls ----------------------------------------------------------------------------------
     def _prepare(self) -> None:
-        """The training loop's call after an optimizer step (Megatron-FSDP's `start_param_sync()`: the
-        parameter all-gather, 2.7 ms per call on the H200's 64-expert layer), made only where the weights
-        changed since the last one. Between runs with unchanged weights it is redundant, as it is between two
-        accumulation steps without an optimizer step: the wrapper's own forward swaps the module's parameters
-        back and gathers what it needs, so the same weights reach the forward either way."""
+        """The training loop's call after an optimizer step (Megatron-FSDP's `start_param_sync()`, the
+        parameter all-gather), made only where the weights changed since the last one: before the first run
+        (the caller's state is unknown) and, through `_commit`, after every install. Between runs with
+        unchanged weights the training loop makes no such call either (nothing was stepped): the wrapper's own
+        forward swaps the module's parameters back and gathers what it needs, so the same weights reach the
+        forward. On the H200 this moves the gather into the forward rather than saving it (wall time unchanged
+        within noise, docs/gpu-evidence.md section 7); what it buys is the loop's own call sequence, with one
+        sync per change of the weights that tests can hold it to."""
         if not self.synced:
             self.adapter.prepare()
             self.synced = True
