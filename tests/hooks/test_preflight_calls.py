@@ -9,54 +9,11 @@ of the emulator that needs no sync, with one sync per change of the weights and 
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
-from emulators import DenseBlock, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
+from emulators import DenseBlock, MainWeightsFSDP, dense_batches, mse_loss, mse_microbatch
 
 from maingrad.hooks.preflight_check import preflight
-
-
-class MainWeightsFSDP(MegatronFSDP):
-    """The Megatron-FSDP emulator with fp32 main weights as the optimizer's parameters (their .grad the fp32
-    buffer), copied into the bf16 module weights by install_optimized_model_weights(); counts its calls."""
-
-    def __init__(self, module: torch.nn.Module, strategy: str, **kwargs) -> None:
-        super().__init__(module, strategy, unit_types=(), data_parallel_size=1, **kwargs)
-        self.dist = {n: torch.nn.Parameter(self.raw[n].detach().float()) for n in self.names}
-        for name, param in self.dist.items():
-            param.__fsdp_param__ = True
-            param.orig_param = self.raw[name]
-        self._replace(self.dist)
-        self.param_and_grad_buffer = types.SimpleNamespace(optimizer_named_parameters=list(self.dist.items()))
-        self.calls: list[str] = []
-
-    def _to_model_weights(self) -> None:
-        with torch.no_grad():
-            for name in self.names:
-                self.raw[name].copy_(self.dist[name])
-
-    def install_optimized_model_weights(self) -> None:
-        super().install_optimized_model_weights()
-        self.calls.append("install")
-        self._to_model_weights()
-
-    def zero_grad_buffer(self) -> None:
-        self.calls.append("zero")
-        super().zero_grad_buffer()
-
-    def finish_grad_sync(self) -> None:
-        self.calls.append("finish")
-        super().finish_grad_sync()
-
-    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        self.calls.append("forward")
-        return super().forward(*args, **kwargs)
-
-    def _root_post_backward(self) -> None:
-        self.calls.append("backward")
-        super()._root_post_backward()
 
 
 class GatheredFSDP(MainWeightsFSDP):

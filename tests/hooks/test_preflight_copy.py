@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import math
 import random
-import types
 
 import pytest
 import torch
-from emulators import DenseBlock, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
+from emulators import DenseBlock, MainWeightsFSDP, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
 
 from maingrad.hooks import preflight_check as preflight_module
 from maingrad.hooks.preflight_check import copy_dtype, preflight, unit_roundoff
@@ -38,27 +37,6 @@ def _run(make, rounded: bool, monkeypatch: pytest.MonkeyPatch, n: int = 2, token
 
 def _verdicts(result) -> dict[str, list[str]]:
     return {p.name: p.anomalies for p in result.params if p.anomalies}
-
-
-class MainWeightsFSDP(MegatronFSDP):
-    """The Megatron-FSDP emulator with what it builds for a bf16 model: fp32 main weights as the optimizer's
-    parameters (their .grad the fp32 buffer), copied into the bf16 module weights by
-    install_optimized_model_weights()."""
-
-    def __init__(self, module: torch.nn.Module, strategy: str, **kwargs) -> None:
-        super().__init__(module, strategy, unit_types=(), data_parallel_size=1, **kwargs)
-        self.dist = {n: torch.nn.Parameter(self.raw[n].detach().float()) for n in self.names}
-        for name, param in self.dist.items():
-            param.__fsdp_param__ = True
-            param.orig_param = self.raw[name]
-        self._replace(self.dist)
-        self.param_and_grad_buffer = types.SimpleNamespace(optimizer_named_parameters=list(self.dist.items()))
-
-    def install_optimized_model_weights(self) -> None:
-        super().install_optimized_model_weights()
-        with torch.no_grad():
-            for name in self.names:
-                self.raw[name].copy_(self.dist[name])
 
 
 def _fsdp_bf16(middle: str, strategy: str, semantics: str = "main") -> MegatronFSDP:
