@@ -47,8 +47,8 @@ CPU test, tolerance 0.031) stays out by more than the rounding can move it. With
 G(A,B) read the wrapper's own gradients, unrounded.
 
 It leaves no trace: gradient buffers are zeroed through the wrapper's own API (a plain module gets its own
-`.grad` tensors back), every weight it perturbs is restored bit for bit (and reinstalled through the wrapper),
-module buffers are copied back, every random generator it knows of is set back to the state it found
+`.grad` tensors back), every weight it perturbs is restored bit for bit (and reinstalled through the wrapper,
+also when the model raises between a perturbation and its restore), module buffers are copied back, every random generator it knows of is set back to the state it found
 (`preflight_state.py`), no optimizer is touched and no hook is registered. Each micro-batch starts from the
 caller's random state, so dropout repeats exactly; randomness preflight cannot reset shows up as
 `grad_nondeterministic`, never as an accumulation verdict.
@@ -680,6 +680,7 @@ class _Preflight:
         # since the caller's state is unknown.
         self.synced = False  # prepare() or commit() ran after the last change of the weights
         self.zeroed = False  # zero() ran after the last backward
+        self.uninstalled = False  # weights moved or restored in place since the last commit()
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{_leaf_pattern(e.leaf)}"
@@ -734,7 +735,7 @@ class _Preflight:
     def _commit(self) -> None:
         """Install weights moved in place (and prepare them for the next forward)."""
         self.adapter.commit()
-        self.synced = True
+        self.synced, self.uninstalled = True, False
 
     def _zero(self) -> None:
         """Zero the gradient buffers through the wrapper, unless nothing ran backward since they were zeroed
@@ -943,7 +944,7 @@ class _Preflight:
             saved = _copies(flat if flat is not None else targets)
         pred: torch.Tensor | None = None
         try:
-            self.synced = False  # the weights move from here on
+            self.synced, self.uninstalled = False, True  # the weights move from here on
             with torch.no_grad():
                 for j, i in enumerate(indexes):
                     g = grads[i]
@@ -963,7 +964,7 @@ class _Preflight:
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(flat if flat is not None else targets, saved)
-            self.synced = False  # restored, installed by the next commit
+            self.synced, self.uninstalled = False, True  # restored, installed by the next commit
         if pred is None:
             pred = torch.zeros((), device=targets[0].device)
         return loss, pred
@@ -1184,6 +1185,11 @@ def _execute(check: _Preflight) -> PreflightResult:
         tb = traceback.format_exc(limit=12)
     finally:
         check.copy = []
+        if check.uninstalled:  # interrupted between a restore and its install: the forward would compute
+            try:  # with the perturbed weights until the caller's next optimizer step installs them
+                check._commit()
+            except Exception as exc:  # noqa: BLE001
+                error = error or f"reinstalling the weights failed: {type(exc).__name__}: {exc}"[:500]
         try:
             adapter.zero()
         except Exception as exc:  # noqa: BLE001

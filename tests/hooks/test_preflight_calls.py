@@ -134,3 +134,27 @@ def test_sync_counts_on_a_failing_model() -> None:
     # nothing ran backward after the release)
     assert model.calls.count("zero") == 5
     assert model.calls.count("finish") == 4  # A, B, A then B, the repeat
+
+
+@pytest.mark.parametrize("fail_at", [2, 3])
+def test_an_error_during_the_finite_differences_leaves_the_forward_weights_restored(fail_at: int) -> None:
+    """loss_fn raises while a group's weights are perturbed (installed and synced): preflight returns the error
+    as its result, and the forward computes with the original weights again, not the perturbed ones that the
+    caller's next steps would otherwise train on until an optimizer step reinstalled the main weights."""
+    model = _bf16(GatheredFSDP, "te", "no_shard")
+    before = {k: v.detach().clone() for k, v in model.raw.items()}
+    main_before = {k: v.detach().clone() for k, v in model.dist.items()}
+    calls = {"n": 0}
+
+    def flaky_loss(m, batch):
+        calls["n"] += 1
+        if calls["n"] == fail_at:  # 1 is the base; 2, 3 are groups' perturbed forwards
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return mse_loss(m, batch)
+
+    result = preflight(model, mse_microbatch, _batches(2), loss_fn=flaky_loss)
+    assert result.status == "error" and "illegal memory access" in (result.error or "")
+    assert all(torch.equal(before[k], model.raw[k]) for k in before)  # what the forward computes with
+    assert all(torch.equal(main_before[k], model.dist[k]) for k in main_before)
+    assert model.calls[-3:] == ["install", "sync", "zero"]  # reinstalled and synced, then the buffers zeroed
+    _check_call_order(model.calls)
