@@ -121,9 +121,9 @@ def test_a_forward_after_changed_weights_always_follows_a_sync(case: str, n: int
 
 
 def test_sync_counts_on_a_failing_model() -> None:
-    """An overwriting model with loss_fn: A, the finite differences, B, A then B, the repeat of A. Before this
-    change every run started with a sync and a zero (5 syncs, 5 zeros + release + clean-up); now the sync comes
-    only after A's start and each install, and the zero only where a backward ran since the last one."""
+    """An overwriting model with loss_fn: A, the finite differences, B, A then B, the repeat of A. The sync comes
+    before A and after each install only (not before every run), the zero only where a backward ran since the
+    last one, plus the final clean-up."""
     model = _bf16(GatheredFSDP, "te", "optim_grads_params")
     result = preflight(model, mse_microbatch, _batches(2), loss_fn=mse_loss)
     assert result.status == "fail"
