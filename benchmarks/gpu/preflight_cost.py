@@ -20,7 +20,8 @@ Per strategy (STRATEGIES, default no_shard and optim_grads_params):
 - reported: preflight time / step time for both steps (target <= 4; the step without the optimizer is the
   stricter yardstick), (preflight peak - step peak) / the bytes of the gradients the optimizer reads (target
   <= 1), the passes preflight ran, and whether the model's weights and the loss of a forward are bit-identical
-  before and after every preflight call (it must leave no trace; the optimizer moves them between calls).
+  before and after every preflight call (it must leave no trace; the optimizer moves them between calls), also
+  after a call whose loss_fn raises in the middle of the finite differences (TRACE-ERROR).
 
 With BASELINE=1 every round also times one call with the wrapper's between-steps calls made before every run
 (`start_param_sync()` and `zero_grad_buffer()`, as preflight made them before it skipped the redundant ones),
@@ -351,6 +352,7 @@ def measure(strategy: str) -> None:
         rounds.append(t / statistics.median(round_times))
         if round_full:
             full_rounds.append(t / statistics.median(round_full))
+    say(f"TRACE-ERROR {strategy}: {error_trace(model, data)}")
     diagnose(strategy, model, data)
     say(results[-1].table())
     report(
@@ -358,6 +360,35 @@ def measure(strategy: str) -> None:
         times=times, peaks=peaks, full_times=full_times, full_peaks=full_peaks, pf_times=pf_times,
         pf_peaks=pf_peaks, rounds=rounds, full_rounds=full_rounds, baseline_times=baseline_times,
     )  # fmt: skip
+
+
+def error_trace(model, data) -> str:
+    """A loss_fn that raises in the middle of the finite differences (its second call: the first group's
+    perturbed forward, after the perturbed weights were installed): preflight must return the error as its
+    result and leave the weights, and the loss a forward computes with them, bit-identical."""
+    from maingrad.hooks import preflight
+
+    model.zero_grad_buffer()
+    before = weights(model)
+    with torch.no_grad():
+        loss_before = loss_fn(model, data[0]).item()
+    calls = {"n": 0}
+
+    def flaky(m, batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure in the second loss evaluation")
+        return loss_fn(m, batch)
+
+    result = preflight(model, run_microbatch, data, loss_fn=flaky)
+    after = weights(model)
+    with torch.no_grad():
+        loss_after = loss_fn(model, data[0]).item()
+    same = _equal(before, after) and loss_before == loss_after
+    return (
+        f"status {result.status} ({result.error}); weights and the loss of A bit-identical afterwards: {same} "
+        f"(loss {loss_before!r} -> {loss_after!r})"
+    )
 
 
 def diagnose(strategy: str, model, data) -> None:

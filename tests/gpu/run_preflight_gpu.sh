@@ -33,6 +33,6 @@ case "$what" in
   bench)
     PYTHONPATH=$PP timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/gpu/preflight_cost.py > "$OUT/$tag-bench.log" 2>&1
     echo "bench rc=$?"
-    grep -e '^RESULT' -e '^OPTIMIZER' -e '^MEMORY' -e '^TRACE' -e 'megatron-core' "$OUT/$tag-bench.log"
+    grep -e '^RESULT' -e '^OPTIMIZER' -e '^BASELINE' -e '^MEMORY' -e '^TRACE' -e 'megatron-core' "$OUT/$tag-bench.log"
     ;;
 esac
