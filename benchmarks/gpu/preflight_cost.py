@@ -5,8 +5,8 @@ megatron-core's fused TEGroupedMLP layer of benchmarks/gpu/moe_overhead.py (64 e
 Per strategy (STRATEGIES, default no_shard and optim_grads_params):
 - one step without the optimizer (zero_grad_buffer -> 2 x forward/backward -> finish_grad_sync, the stricter
   yardstick of earlier runs): the median wall time of the steps measured (each ended by a device sync; WARMUP
-  steps before), and its peak memory above the memory held after zero_grad_buffer() (Megatron-FSDP's optimizer-side fp32 gradients are freed there and made again by
-  finish_grad_sync, in a step as in preflight);
+  steps before), and its peak memory above the memory held after zero_grad_buffer() (Megatron-FSDP's
+  optimizer-side fp32 gradients are freed there and made again by finish_grad_sync, in a step as in preflight);
 - preflight (default settings, loss_fn given): the median wall time of REPEATS calls after one warm-up call, and
   its peak memory above the same base;
 - one training step as Megatron's training loop runs it (OPTIMIZER=1, default): the step above plus
