@@ -48,8 +48,9 @@ G(A,B) read the wrapper's own gradients, unrounded.
 
 It leaves no trace: gradient buffers are zeroed through the wrapper's own API (a plain module gets its own
 `.grad` tensors back), every weight it perturbs is restored bit for bit (and reinstalled through the wrapper,
-also when the model raises between a perturbation and its restore), module buffers are copied back, every random generator it knows of is set back to the state it found
-(`preflight_state.py`), no optimizer is touched and no hook is registered. Each micro-batch starts from the
+also when the model raises between a perturbation and its restore), module buffers are copied back, every
+random generator it knows of is set back to the state it found (`preflight_state.py`), no optimizer is touched
+and no hook is registered. Each micro-batch starts from the
 caller's random state, so dropout repeats exactly; randomness preflight cannot reset shows up as
 `grad_nondeterministic`, never as an accumulation verdict.
 
