@@ -1072,8 +1072,9 @@ def preflight(
     finite_differences: compare with the loss's central differences (the scale check); fd_groups: "mechanism"
     (default: one group per fused-wgrad module type, one for everything plain autograd computes), "module_type"
     (one per module type), "param" (one per parameter: the most forwards). fd_eps: the perturbation's norm
-    relative to the weights'; fd_rtol: accepted factor 1 + fd_rtol either way between reported and estimated. rtol: linearity tolerance (default from
-    the dtypes). rng_states: extra (get_state, set_state) pairs to reset before every micro-batch.
+    relative to the weights'; fd_rtol: accepted factor 1 + fd_rtol either way between reported and estimated.
+    rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state) pairs to reset
+    before every micro-batch.
     sinks: maingrad.hooks sinks ("memory", "jsonl:PATH", a URL, objects) that get the records; run, rank,
     commit: as for install(). label: a name for the table.
     Returns a PreflightResult; it never raises for what the model does (an exception from the micro-batch is
