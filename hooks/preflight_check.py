@@ -578,16 +578,18 @@ def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for j, t in enumerate(tensors):
         kinds.setdefault((t.device, t.dtype), []).append(j)
     for (device, dtype), members in kinds.items():
-        counts = [tensors[j].numel() for j in members]
-        views = torch.empty(sum(counts), dtype=dtype, device=device).split(counts)
-        shaped = [
-            v if tensors[j].dim() == 1 else v.view(tensors[j].shape)
-            for v, j in zip(views, members, strict=True)
-        ]
-        torch._foreach_copy_(shaped, [tensors[j] for j in members])
+        like = [tensors[j] for j in members]
+        shaped = _shaped(torch.empty(sum(t.numel() for t in like), dtype=dtype, device=device), like)
+        torch._foreach_copy_(shaped, like)
         for v, j in zip(shaped, members, strict=True):
             out[j] = v
     return cast(list[torch.Tensor], out)
+
+
+def _shaped(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive pieces of a flat buffer, each viewed in the shape of the tensor it stands beside."""
+    pieces = buffer.split([t.numel() for t in like])
+    return [p.view(t.shape) for p, t in zip(pieces, like, strict=True)]
 
 
 def _chunks(items: list[int], counts: list[int], limit: int) -> list[list[int]]:
@@ -940,9 +942,8 @@ class _Preflight:
         installed by the next commit."""
         adapter = self.adapter
         targets = [adapter.target(self.entries[i]) for i in indexes]
-        flat = [t.view(-1) for t in targets] if all(t.is_contiguous() for t in targets) else None
         with torch.no_grad():
-            saved = _copies(flat if flat is not None else targets)
+            saved = _copies(targets)
         pred: torch.Tensor | None = None
         try:
             self.synced, self.uninstalled = False, True  # the weights move from here on
@@ -956,15 +957,12 @@ class _Preflight:
                         t.add_(d, alpha=sign * self._step(i, t, sizes) / math.sqrt(max(t.numel(), 1)))
                         del d
                 if not zero:
-                    if flat is not None:
-                        pred = self._move(indexes, flat, saved, grads, sizes, sign)
-                    else:
-                        pred = self._move_each(indexes, targets, saved, grads, sizes, sign)
+                    pred = self._move(indexes, targets, saved, grads, sizes, sign)
             self._commit()
             loss = self._loss(self.batches[0])
         finally:
             with torch.no_grad():
-                torch._foreach_copy_(flat if flat is not None else targets, saved)
+                torch._foreach_copy_(targets, saved)
             self.synced, self.uninstalled = False, True  # restored, installed by the next commit
         if pred is None:
             pred = torch.zeros((), device=targets[0].device)
@@ -977,30 +975,35 @@ class _Preflight:
     def _move(
         self,
         indexes: list[int],
-        flat: list[torch.Tensor],
+        targets: list[torch.Tensor],
         saved: list[torch.Tensor],
         grads: list[torch.Tensor | None],
         sizes: dict,
         sign: float,
     ) -> torch.Tensor:
-        """t_i += sign x |d_i| / |g_i| x g_i for the group's (flattened) weights, and <G, the move rounded to the
-        dtype the forward computes with>, as a few multi-tensor launches per FD_CHUNK elements instead of about
-        ten launches per parameter; the scratch is at most FD_CHUNK elements in fp32 and in the compute dtype."""
+        """t_i += sign x |d_i| / |g_i| x g_i for the group's weights, and <G, the move rounded to the dtype the
+        forward computes with>, as a few multi-tensor launches per FD_CHUNK elements instead of about ten
+        launches per parameter; the scratch is at most FD_CHUNK elements in fp32 and in the compute dtype, viewed
+        in each weight's shape (a strided weight that cannot be flattened is moved in place the same way)."""
         kinds: dict[tuple[torch.device, torch.dtype, torch.dtype], list[int]] = {}
         for j, i in enumerate(indexes):
-            t = flat[j]
+            t = targets[j]
             kinds.setdefault((t.device, t.dtype, self.adapter.compute_dtype(self.entries[i])), []).append(j)
         parts: list[torch.Tensor] = []
         for (device, dtype, cdt), members in kinds.items():
-            for chunk in _chunks(members, [flat[j].numel() for j in members], FD_CHUNK):
-                ts, old = [flat[j] for j in chunk], [saved[j] for j in chunk]
-                gs = [cast(torch.Tensor, grads[indexes[j]]) for j in chunk]
+            for chunk in _chunks(members, [targets[j].numel() for j in members], FD_CHUNK):
+                ts, old = [targets[j] for j in chunk], [saved[j] for j in chunk]
+                gs = [
+                    cast(torch.Tensor, grads[indexes[j]]).view(t.shape)
+                    for j, t in zip(chunk, ts, strict=True)
+                ]
                 alphas = [
-                    sign * self._step(indexes[j], flat[j], sizes) / sizes["gnorm"][indexes[j]] for j in chunk
+                    sign * self._step(indexes[j], targets[j], sizes) / sizes["gnorm"][indexes[j]]
+                    for j in chunk
                 ]
                 counts = [t.numel() for t in ts]
                 scratch = torch.empty(sum(counts), dtype=torch.float32, device=device)
-                moved = list(scratch.split(counts))
+                moved = _shaped(scratch, ts)
                 torch._foreach_copy_(moved, gs)
                 torch._foreach_mul_(moved, alphas)
                 torch._foreach_add_(ts, moved)  # the weights move (in their own dtype)
@@ -1008,7 +1011,7 @@ class _Preflight:
                     torch._foreach_copy_(moved, ts)
                     torch._foreach_sub_(moved, old)
                 else:  # rounded to the compute dtype first: c(t') - c(t)
-                    low = list(torch.empty(sum(counts), dtype=cdt, device=device).split(counts))
+                    low = _shaped(torch.empty(sum(counts), dtype=cdt, device=device), ts)
                     torch._foreach_copy_(low, ts)
                     torch._foreach_copy_(moved, low)
                     torch._foreach_copy_(low, old)
@@ -1018,26 +1021,6 @@ class _Preflight:
                 parts.append(scratch.sum(dtype=torch.float64))
                 del moved, scratch
         return torch.stack([p.to(parts[0].device) for p in parts]).sum()
-
-    def _move_each(
-        self,
-        indexes: list[int],
-        targets: list[torch.Tensor],
-        saved: list[torch.Tensor],
-        grads: list[torch.Tensor | None],
-        sizes: dict,
-        sign: float,
-    ) -> torch.Tensor:
-        """`_move` one parameter at a time, for weights that are not contiguous (cannot be flattened)."""
-        dots = []
-        for j, i in enumerate(indexes):
-            t, orig, g = targets[j], saved[j], cast(torch.Tensor, grads[i])
-            t.add_(g.reshape(t.shape), alpha=sign * self._step(i, t, sizes) / sizes["gnorm"][i])
-            cdt = self.adapter.compute_dtype(self.entries[i])
-            moved = t.to(cdt).float() - orig.to(cdt).float()  # .to(cdt) is t itself when t is in cdt already
-            dots.append(torch.dot(g.reshape(-1).float(), moved.reshape(-1)).double())
-            del moved
-        return torch.stack(dots).sum()
 
 
 def preflight(

@@ -336,9 +336,9 @@ def test_host_syncs_and_cost() -> None:
     assert set(failing.cost["seconds_by_part"]) == {"runs", "finite_differences", "comparison"}
 
 
-def test_weights_that_cannot_be_flattened_move_one_at_a_time() -> None:
-    """The finite differences move a group's weights with a few multi-tensor launches on flattened views; a
-    weight that is a strided view (not contiguous) is moved one at a time instead, to the same estimate."""
+def test_weights_that_cannot_be_flattened_move_in_their_own_shape() -> None:
+    """The finite differences move a group's weights with a few multi-tensor launches on scratch viewed in each
+    weight's shape; a weight that is a strided view (not contiguous) moves the same way, to the same estimate."""
 
     def block(strided: bool) -> DenseBlock:
         torch.manual_seed(0)
