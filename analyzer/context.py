@@ -9,7 +9,7 @@ fast pass over the tree instead of each paying for a full `module.visit(...)`. F
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -61,6 +61,9 @@ class FileContext:
     _order: dict[int, int] | None = field(default=None, repr=False)
     _own: dict[int, list[cst.CSTNode]] | None = field(default=None, repr=False)
     _kind_tables: dict[tuple[type, ...], dict[type, bool]] = field(default_factory=dict, repr=False)
+    # Per-file results of the rules' pure helpers (keyed by helper and node id), shared by every rule: see
+    # `rules._common.local_bindings`. Values are read-only for their callers.
+    memo: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
     @property
     def names(self) -> NameResolver:

@@ -227,13 +227,24 @@ def local_bindings(
     Names bound in any other way (parameters, for-targets, with-targets, augmented assignment) get a
     `None`-free empty marker by being absent; callers must treat a name with no entry as unknown.
     With the file's `ctx`, the statements come from its per-scope index (`ctx.own_nodes`) instead of a
-    walk of `func`.
+    walk of `func`, and the answer is computed once per function and file and shared by every caller
+    (`ctx.memo`): do not mutate it.
     """
     if func is None:
         return {}
+    if ctx is None:
+        return _bindings_of(func, own_nodes(func, *_BINDING_NODES))
+    key = ("local_bindings", id(func))
+    found = ctx.memo.get(key)
+    if found is None:
+        found = ctx.memo[key] = _bindings_of(func, ctx.own_nodes(func, *_BINDING_NODES))
+    return found
+
+
+def _bindings_of(func: cst.CSTNode, nodes: Sequence[cst.CSTNode]) -> dict[str, list[cst.BaseExpression]]:
+    """`local_bindings` from `func`'s own binding statements."""
     bindings: dict[str, list[cst.BaseExpression]] = {}
     other: set[str] = set()
-    nodes = ctx.own_nodes(func, *_BINDING_NODES) if ctx is not None else own_nodes(func, *_BINDING_NODES)
     for node in nodes:
         if isinstance(node, cst.Assign):
             for target in node.targets:

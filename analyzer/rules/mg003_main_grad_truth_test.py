@@ -292,7 +292,6 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
             for target in assign.targets
             if isinstance(target.target, cst.Name)
         }
-        binding_cache: dict[int, dict[str, list[cst.BaseExpression]]] = {}
         nodes: list[cst.BaseExpression] = [n for n in ctx.nodes(cst.Attribute) if n.attr.value == "main_grad"]
         nodes += [n for n in ctx.nodes(cst.Call) if _is_main_grad_value(n, {})]
         nodes += [n for n in ctx.nodes(cst.Name) if n.value in candidates]
@@ -307,9 +306,7 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
                 func = enclosing_function(ctx, node)
                 if func is None:
                     continue
-                if id(func) not in binding_cache:
-                    binding_cache[id(func)] = local_bindings(func, ctx)
-                bindings = binding_cache[id(func)]
+                bindings = local_bindings(func, ctx)
             if not _is_main_grad_value(node, bindings):
                 continue
             violation = self._violation(ctx, node)

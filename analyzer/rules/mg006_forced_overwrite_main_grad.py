@@ -306,16 +306,13 @@ gradients the expert gradients are 0.71 (relative) away from autograd's own accu
         if is_test_path(ctx.path):
             return
         flagged: list[tuple[cst.SimpleStatementLine, cst.BaseSmallStatement]] = []
-        binding_cache: dict[int, dict[str, list[cst.BaseExpression]]] = {}  # by id(function)
         for line in ctx.nodes(cst.SimpleStatementLine):
             for small in line.body:
                 value = _forced_value(small)
                 if value is None:
                     continue
                 func = enclosing_function(ctx, line)
-                if id(func) not in binding_cache:
-                    binding_cache[id(func)] = local_bindings(func, ctx)
-                bindings = binding_cache[id(func)]
+                bindings = local_bindings(func, ctx)
                 if not _is_truthy_constant(value, bindings):
                     continue
                 if in_wrapper(ctx, line) or _strategy_guarded(ctx, line):
