@@ -570,13 +570,13 @@ class _Subsets:
                 stats.add(name, select, values)
 
 
-def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Exact copies of `tensors`, as views of one buffer per device and dtype (one allocation and one
-    multi-tensor copy each, instead of one clone per tensor)."""
+def _copies(tensors: list[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None) -> list[torch.Tensor]:
+    """Copies of `tensors` (exact, or rounded to nearest in `dtypes`, one per tensor), as views of one buffer
+    per device and dtype (one allocation and one multi-tensor copy each, instead of one clone per tensor)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for j, t in enumerate(tensors):
-        kinds.setdefault((t.device, t.dtype), []).append(j)
+        kinds.setdefault((t.device, t.dtype if dtypes is None else dtypes[j]), []).append(j)
     for (device, dtype), members in kinds.items():
         like = [tensors[j] for j in members]
         shaped = _shaped(torch.empty(sum(t.numel() for t in like), dtype=dtype, device=device), like)
@@ -818,19 +818,13 @@ class _Preflight:
         for an fp32 main_grad of bf16 parameters: half the gradients' bytes), in one buffer per device and
         dtype. Taken right after A; the finite differences then move the weights along it while the wrapper's
         own gradients are released."""
-        by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, f in enumerate(flats):
-            if f is not None:
-                by_kind.setdefault((f.device, self.copy_dtype(i, f.dtype)), []).append(i)
-        for (device, dtype), idx in by_kind.items():
-            live = _some(flats, idx)
-            flat = torch.empty(sum(f.numel() for f in live), dtype=dtype, device=device)
-            views = list(flat.split([f.numel() for f in live]))
-            torch._foreach_copy_(views, live)  # rounds to the copy's dtype (to nearest)
-            self.copy_bytes += flat.numel() * flat.element_size()
-            self.copy_dtypes.add(str(dtype))
-            for i, view in zip(idx, views, strict=True):
-                self.copy[i] = view
+        idx = [i for i, f in enumerate(flats) if f is not None]
+        live = _some(flats, idx)
+        views = _copies(live, [self.copy_dtype(i, f.dtype) for i, f in zip(idx, live, strict=True)])
+        for i, view in zip(idx, views, strict=True):
+            self.copy[i] = view
+            self.copy_bytes += view.numel() * view.element_size()
+            self.copy_dtypes.add(str(view.dtype))
 
     def run_rest(self) -> None:
         """B alone, then A and B together (one batch: A twice), each compared with the copy in place."""
