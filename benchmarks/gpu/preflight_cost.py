@@ -148,6 +148,14 @@ def weights(model) -> list[torch.Tensor]:
     return out
 
 
+def state(model, data) -> tuple[list[torch.Tensor], float]:
+    """What preflight must leave as it found it: the weights (main and compute) and the loss of micro-batch A
+    computed with them."""
+    with torch.no_grad():
+        loss = loss_fn(model, data[0]).item()
+    return weights(model), loss
+
+
 def grad_bytes(model) -> int:
     total = 0
     for _, param in model.param_and_grad_buffer.optimizer_named_parameters:
@@ -265,9 +273,7 @@ def measure(strategy: str) -> None:
     gbytes = grad_bytes(model)
     model.zero_grad_buffer()
     torch.cuda.synchronize()
-    with torch.no_grad():
-        loss_before = loss_fn(model, data[0]).item()
-    before = weights(model)
+    before = state(model, data)
 
     def timed(call) -> tuple[float, int]:
         """Wall time and peak memory above the base of call(), from zeroed gradient buffers (the base holds no
@@ -305,10 +311,7 @@ def measure(strategy: str) -> None:
     timed(call)  # warm-up
     if BASELINE:
         timed(every_run_call)
-    after = weights(model)
-    with torch.no_grad():
-        loss_after = loss_fn(model, data[0]).item()
-    same = [_equal(before, after) and loss_before == loss_after]
+    same = [_same(before, state(model, data))]
     optimizer, optimizer_kind = make_optimizer(model) if OPTIMIZER else (None, "off")
     if optimizer is not None:
         try:
@@ -334,15 +337,10 @@ def measure(strategy: str) -> None:
                 full_peaks.append(peak)
         if BASELINE and r % 2 == 1:  # after the steps, before or after the call in alternate rounds
             baseline_times.append(timed(every_run_call)[0])
-        before = weights(model)
-        with torch.no_grad():
-            loss_before = loss_fn(model, data[0]).item()
+        before = state(model, data)
         t, peak = timed(call)
-        after = weights(model)
-        with torch.no_grad():
-            loss_after = loss_fn(model, data[0]).item()
-        same.append(_equal(before, after) and loss_before == loss_after)
-        del before, after
+        same.append(_same(before, state(model, data)))
+        del before
         if BASELINE and r % 2 == 0:
             baseline_times.append(timed(every_run_call)[0])
         times += round_times
@@ -369,9 +367,7 @@ def error_trace(model, data) -> str:
     from maingrad.hooks import preflight
 
     model.zero_grad_buffer()
-    before = weights(model)
-    with torch.no_grad():
-        loss_before = loss_fn(model, data[0]).item()
+    before = state(model, data)
     calls = {"n": 0}
 
     def flaky(m, batch):
@@ -381,13 +377,10 @@ def error_trace(model, data) -> str:
         return loss_fn(m, batch)
 
     result = preflight(model, run_microbatch, data, loss_fn=flaky)
-    after = weights(model)
-    with torch.no_grad():
-        loss_after = loss_fn(model, data[0]).item()
-    same = _equal(before, after) and loss_before == loss_after
+    after = state(model, data)
     return (
-        f"status {result.status} ({result.error}); weights and the loss of A bit-identical afterwards: {same} "
-        f"(loss {loss_before!r} -> {loss_after!r})"
+        f"status {result.status} ({result.error}); weights and the loss of A bit-identical afterwards: "
+        f"{_same(before, after)} (loss {before[1]!r} -> {after[1]!r})"
     )
 
 
@@ -471,8 +464,12 @@ def report(strategy: str, result, gbytes: int, same: list[bool], **m: list) -> N
     )
 
 
-def _equal(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
-    return len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+def _same(before: tuple[list[torch.Tensor], float], after: tuple[list[torch.Tensor], float]) -> bool:
+    """Bit-identical weights and the same loss of A."""
+    (w0, loss0), (w1, loss1) = before, after
+    return (
+        loss0 == loss1 and len(w0) == len(w1) and all(torch.equal(a, b) for a, b in zip(w0, w1, strict=True))
+    )
 
 
 def main() -> None:
