@@ -10,7 +10,9 @@ without the generated-file marker).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +31,7 @@ def render_markdown(rule: RuleMeta) -> str:
     """A rule's documentation as Markdown (what `maingrad explain --format markdown` prints)."""
     if rule.id == NOT_ANALYZED.id:  # not a rule: no fix, no suppression comment
         return f"# {rule.id}: {rule.name}\n\n{rule.summary}\n\n{rule.docs.strip()}\n"
-    fix = "yes (`maingrad fix`)" if rule.fixable else "no"
+    fix = fix_label(rule)
     body = rule.docs.strip()
     return (
         f"# {rule.id}: {rule.name}\n\n"
@@ -38,6 +40,40 @@ def render_markdown(rule: RuleMeta) -> str:
         f"| Suppress | `# maingrad: ignore[{rule.id}]` |\n\n"
         f"{body}\n"
     )
+
+
+@functools.cache
+def fix_safety(rule_id: str) -> frozenset[str]:
+    """The applicabilities ("safe", "unsafe") of the fixes the rule offers on its own INVALID examples: what
+    its fixes are, measured rather than declared (a rule's fixes are safe or unsafe case by case, see its
+    "Fix safety" section). Empty for a rule without a fix."""
+    from maingrad.analyzer.context import RuleSettings
+    from maingrad.analyzer.engine import analyze_source
+    from maingrad.analyzer.rules import all_rules
+
+    rule = next((r for r in all_rules() if r.id == rule_id), None)
+    if rule is None or not rule.fixable:
+        return frozenset()
+    found: set[str] = set()
+    for example in rule.INVALID:
+        helpers = example.config.get("exposure-helpers", ())
+        settings = RuleSettings(exposure_helpers=frozenset(helpers))  # type: ignore[arg-type]
+        result = analyze_source(textwrap.dedent(example.code), "example.py", [rule()], settings)
+        found.update(f.fix_applicability for f in result.findings if f.rule == rule_id and f.fix_applicability)
+    return frozenset(found)
+
+
+def fix_label(rule: RuleMeta) -> str:
+    """The "Fix" row of a rule's page and of `maingrad explain`: whether `maingrad fix` applies its fixes,
+    or only `maingrad fix --unsafe-fixes` ("unsafe")."""
+    if not rule.fixable:
+        return "no"
+    safety = fix_safety(rule.id)
+    if safety == {"unsafe"}:
+        return "unsafe (only `maingrad fix --unsafe-fixes` applies it)"
+    if safety == {"safe", "unsafe"}:
+        return "safe in some cases (`maingrad fix`), unsafe in others (`--unsafe-fixes`): see Fix safety"
+    return "safe (`maingrad fix`)"
 
 
 def documented_rules() -> tuple[RuleMeta, ...]:

@@ -47,7 +47,7 @@ class NotAnalyzed(str, Enum):
 
 
 class Severity(str, Enum):
-    """Ordered from least to most severe; SARIF levels map note/warning/error."""
+    """Ordered from least to most severe; the SARIF level of each is `maingrad.contracts.sarif.LEVELS`'s."""
 
     INFO = "info"
     WARNING = "warning"
@@ -56,10 +56,6 @@ class Severity(str, Enum):
     @property
     def rank(self) -> int:
         return _SEVERITY_RANK[self]
-
-    @property
-    def sarif_level(self) -> str:
-        return {"info": "note", "warning": "warning", "error": "error"}[self.value]
 
 
 _SEVERITY_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
