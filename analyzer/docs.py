@@ -59,7 +59,9 @@ def fix_safety(rule_id: str) -> frozenset[str]:
         helpers = example.config.get("exposure-helpers", ())
         settings = RuleSettings(exposure_helpers=frozenset(helpers))  # type: ignore[arg-type]
         result = analyze_source(textwrap.dedent(example.code), "example.py", [rule()], settings)
-        found.update(f.fix_applicability for f in result.findings if f.rule == rule_id and f.fix_applicability)
+        found.update(
+            f.fix_applicability for f in result.findings if f.rule == rule_id and f.fix_applicability
+        )
     return frozenset(found)
 
 

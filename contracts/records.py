@@ -120,7 +120,15 @@ RECORD_FIELDS: tuple[Field, ...] = (
     Field("phase", str, False, doc="when it was read", enum=PHASES, ingest="required"),
     Field("module", str, False, doc="module path", ingest="optional"),
     Field("param", str, False, doc=f"parameter name ({WHOLE_CALL!r}: the whole call)", ingest="optional"),
-    Field("has_main_grad", bool, False, False, "main_grad attribute present", ingest="optional", ingest_null=True),
+    Field(
+        "has_main_grad",
+        bool,
+        False,
+        False,
+        "main_grad attribute present",
+        ingest="optional",
+        ingest_null=True,
+    ),
     Field("main_grad_is_none", bool, True, None, "main_grad is None", ingest="optional"),
     Field("dtype", str, True, None, "main_grad's dtype"),
     Field("shape", list, True, None, "main_grad's shape (ints)"),
@@ -139,7 +147,9 @@ RECORD_FIELDS: tuple[Field, ...] = (
 FIELD_BY_NAME: dict[str, Field] = {f.name: f for f in RECORD_FIELDS}
 FIELDS: tuple[str, ...] = tuple(f.name for f in RECORD_FIELDS)
 # field -> (allowed types, nullable): what `validate` checks.
-FIELD_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {f.name: ((f.kind,), f.nullable) for f in RECORD_FIELDS}
+FIELD_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
+    f.name: ((f.kind,), f.nullable) for f in RECORD_FIELDS
+}
 
 
 def record_id(run: str, rank: int, seq: int | str) -> str:

@@ -79,7 +79,10 @@ def result(finding: Finding, *, path: str | None = None, rule_index: int | None 
     out["locations"] = [
         {
             "physicalLocation": {
-                "artifactLocation": {"uri": uri(finding.path if path is None else path), "uriBaseId": SRCROOT},
+                "artifactLocation": {
+                    "uri": uri(finding.path if path is None else path),
+                    "uriBaseId": SRCROOT,
+                },
                 "region": region(finding),
             }
         }

@@ -360,7 +360,10 @@ def aggregates(session: Session, run: Run, column: Any) -> list[dict[str, Any]]:
     (module, param) pairs: per rank, every module's `weight` is a parameter of its own. Records about a
     whole call (param "*") name no parameter."""
     rows = session.execute(
-        select(column.label("key"), *_counts()).where(Record.run_id == run.id).group_by(column).order_by(column)
+        select(column.label("key"), *_counts())
+        .where(Record.run_id == run.id)
+        .group_by(column)
+        .order_by(column)
     ).all()
     pairs = (
         select(column.label("key"), Record.module, Record.param)
@@ -416,7 +419,9 @@ def anomaly_summary(session: Session, run: Run) -> list[dict[str, Any]]:
     out = []
     for code, count in rows:
         summary, remedy, fatal = _meaning(str(code))
-        out.append({"code": str(code), "count": int(count), "summary": summary, "remedy": remedy, "fatal": fatal})
+        out.append(
+            {"code": str(code), "count": int(count), "summary": summary, "remedy": remedy, "fatal": fatal}
+        )
     out.sort(key=lambda a: (not a["fatal"], -a["count"], a["code"]))
     return out
 

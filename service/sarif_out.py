@@ -9,8 +9,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from maingrad.service.models import Analysis, Finding
 from maingrad.contracts.sarif import SARIF_SCHEMA, SARIF_VERSION
+from maingrad.service.models import Analysis, Finding
 
 FINGERPRINT_KEY = "maingrad/alert"
 

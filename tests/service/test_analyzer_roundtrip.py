@@ -79,9 +79,9 @@ def test_the_analyzers_findings_move_the_same_in_json_and_sarif(
     base_json, head_json = reports[("base", "json")], reports[("head", "json")]
     assert len(base_json["findings"]) == 2 and len(head_json["findings"]) == 4
     moved = {f["fingerprint"]: f["line"] for f in head_json["findings"] if f["path"] == "pkg/mlp.py"}
-    assert {fp: moved[fp] - f["line"] for f in base_json["findings"] if (fp := f["fingerprint"]) in moved} == {
-        f["fingerprint"]: 60 for f in base_json["findings"]
-    }
+    assert {
+        fp: moved[fp] - f["line"] for f in base_json["findings"] if (fp := f["fingerprint"]) in moved
+    } == {f["fingerprint"]: 60 for f in base_json["findings"]}
     head_sarif = reports[("head", "sarif")]
     assert [r["partialFingerprints"] for r in head_sarif["runs"][0]["results"]] == [
         {contract.FINGERPRINT_KEY: f["fingerprint"]} for f in head_json["findings"]
