@@ -60,6 +60,10 @@ class Severity(str, Enum):
 
 _SEVERITY_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
 
+# The lowest severity that fails: the default of `maingrad check --fail-on` and of the service gate
+# (MAINGRAD_GATE_FAIL_SEVERITY), so a report the gate passes does not fail `check`, and the reverse.
+DEFAULT_FAIL_ON = Severity.ERROR
+
 
 @dataclass(frozen=True)
 class Finding:
