@@ -504,7 +504,9 @@ def run_rules(args: argparse.Namespace) -> int:
     from maingrad.analyzer.docs import fix_safety
 
     header = ("ID", "NAME", "SEVERITY", "FIX", "SUMMARY")
-    rows = [(r.id, r.name, r.severity.value, _fix_column(r.fixable, fix_safety(r.id)), r.summary) for r in rules]
+    rows = [
+        (r.id, r.name, r.severity.value, _fix_column(r.fixable, fix_safety(r.id)), r.summary) for r in rules
+    ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(4)]
     for row in (header, *rows):
         print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])

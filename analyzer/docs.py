@@ -33,6 +33,8 @@ def render_markdown(rule: RuleMeta) -> str:
         return f"# {rule.id}: {rule.name}\n\n{rule.summary}\n\n{rule.docs.strip()}\n"
     fix = fix_label(rule)
     body = rule.docs.strip()
+    if rule.fixable and "## Fix safety" not in body:  # ruff's section, from the measured applicabilities
+        body += f"\n\n## Fix safety\n\n{_fix_safety_text(fix_safety(rule.id))}"
     return (
         f"# {rule.id}: {rule.name}\n\n"
         f"{rule.summary}\n\n"
@@ -57,7 +59,8 @@ def fix_safety(rule_id: str) -> frozenset[str]:
     found: set[str] = set()
     for example in rule.INVALID:
         helpers = example.config.get("exposure-helpers", ())
-        settings = RuleSettings(exposure_helpers=frozenset(helpers))  # type: ignore[arg-type]
+        names = frozenset(str(h) for h in helpers) if isinstance(helpers, (list, tuple)) else frozenset[str]()
+        settings = RuleSettings(exposure_helpers=names)
         result = analyze_source(textwrap.dedent(example.code), "example.py", [rule()], settings)
         found.update(
             f.fix_applicability for f in result.findings if f.rule == rule_id and f.fix_applicability
@@ -75,7 +78,26 @@ def fix_label(rule: RuleMeta) -> str:
         return "unsafe (only `maingrad fix --unsafe-fixes` applies it)"
     if safety == {"safe", "unsafe"}:
         return "safe in some cases (`maingrad fix`), unsafe in others (`--unsafe-fixes`): see Fix safety"
+    if not safety:  # its examples never produce a fix: nothing measured
+        return "yes (not measured on its examples)"
     return "safe (`maingrad fix`)"
+
+
+def _fix_safety_text(safety: frozenset[str]) -> str:
+    if safety == {"unsafe"}:
+        return (
+            "The fix is unsafe: it can change what the code does (see above), so only `maingrad fix "
+            "--unsafe-fixes` applies it; `maingrad check` counts it as a hidden fix."
+        )
+    if safety == {"safe", "unsafe"}:
+        return (
+            "Some fixes are safe and `maingrad fix` applies them; others are unsafe, case by case as described "
+            "above, and only `maingrad fix --unsafe-fixes` applies those. `maingrad check` marks a finding `[*]` "
+            "when `maingrad fix` would fix it."
+        )
+    if not safety:
+        return "None of this rule's examples produces a fix, so its safety is not measured here."
+    return "The fix is safe: `maingrad fix` applies it (on every INVALID example of this rule)."
 
 
 def documented_rules() -> tuple[RuleMeta, ...]:
@@ -120,7 +142,7 @@ def write_pages(directory: Path) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python3 -m maingrad.analyzer.docs", description=__doc__.splitlines()[0]
+        prog="python3 -m maingrad.analyzer.docs", description=(__doc__ or "").splitlines()[0]
     )
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", metavar="DIR", type=Path, help="write the pages into DIR")

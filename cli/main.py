@@ -81,7 +81,7 @@ def _add_exit_codes(subparsers: argparse._SubParsersAction, prefix: str = "") ->
             parser.epilog = f"exit codes:\n{lines}" + (f"\n\n{parser.epilog}" if parser.epilog else "")
             base = parser.formatter_class
             if not issubclass(base, _ExitCodesFormatter):
-                parser.formatter_class = type("ExitCodesFormatter", (_ExitCodesFormatter, base), {})  # type: ignore[assignment]
+                parser.formatter_class = type("ExitCodesFormatter", (_ExitCodesFormatter, base), {})
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _add_exit_codes(action, f"{command} ")

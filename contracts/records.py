@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from maingrad.contracts.anomalies import ANOMALIES
 
@@ -191,6 +191,10 @@ def validate(record: Any) -> list[str]:
     """Problems of one record against the schema (empty when valid). Used by tests, the CLI and sinks' users."""
     if not isinstance(record, dict):
         return ["record is not an object"]
+    return _problems(cast("dict[str, Any]", record))
+
+
+def _problems(record: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     keys = list(record)
     if set(keys) != set(FIELDS):
@@ -219,15 +223,16 @@ def validate(record: Any) -> list[str]:
     if anomaly is not None and anomaly not in ANOMALIES:
         problems.append(f"unknown anomaly {anomaly!r}")
     shape = record.get("shape")
-    if isinstance(shape, list) and not all(type(d) is int for d in shape):
+    if isinstance(shape, list) and not all(type(d) is int for d in cast("Iterable[object]", shape)):
         problems.append("shape has non-int entries")
     expected_id = f"{record.get('run')}:{record.get('rank')}:"
-    if isinstance(record.get("id"), str) and not record["id"].startswith(expected_id):
+    rid = record.get("id")
+    if isinstance(rid, str) and not rid.startswith(expected_id):
         problems.append("id is not '<run>:<rank>:<seq>'")
     return problems
 
 
-def iter_jsonl(lines: Iterable[str]) -> Iterator[dict]:
+def iter_jsonl(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
     """Records from NDJSON lines (blank lines skipped); raises ValueError naming the bad line."""
     for number, line in enumerate(lines, 1):
         text = line.strip()

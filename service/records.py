@@ -371,7 +371,8 @@ def aggregates(session: Session, run: Run, column: Any) -> list[dict[str, Any]]:
         .distinct()
         .subquery()
     )
-    params = dict(session.execute(select(pairs.c.key, func.count()).group_by(pairs.c.key)).tuples().all())
+    counted = session.execute(select(pairs.c.key, func.count()).group_by(pairs.c.key)).tuples()
+    params: dict[Any, int] = {key: count for key, count in counted}
     return [{"key": str(r.key), "params": int(params.get(r.key, 0)), **_num(r)} for r in rows]
 
 
@@ -416,13 +417,12 @@ def anomaly_summary(session: Session, run: Run) -> list[dict[str, Any]]:
         .where(Record.run_id == run.id, Record.anomaly.is_not(None))
         .group_by(Record.anomaly)
     ).tuples()
-    out = []
-    for code, count in rows:
-        summary, remedy, fatal = _meaning(str(code))
-        out.append(
-            {"code": str(code), "count": int(count), "summary": summary, "remedy": remedy, "fatal": fatal}
-        )
-    out.sort(key=lambda a: (not a["fatal"], -a["count"], a["code"]))
+    found = [(_meaning(str(code))[2], int(count), str(code)) for code, count in rows]
+    found.sort(key=lambda a: (not a[0], -a[1], a[2]))
+    out: list[dict[str, Any]] = []
+    for fatal, count, code in found:
+        summary, remedy, _ = _meaning(code)
+        out.append({"code": code, "count": count, "summary": summary, "remedy": remedy, "fatal": fatal})
     return out
 
 

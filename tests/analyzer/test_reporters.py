@@ -97,7 +97,10 @@ def test_no_python_file_is_a_usage_error(project, run) -> None:
     project({"notes.txt": "no python here\n"})
     result = run("check")
     assert result.code == 2 and result.out == ""
-    assert result.err.startswith("maingrad: error: no Python file to check in") and len(result.err.splitlines()) == 1
+    assert (
+        result.err.startswith("maingrad: error: no Python file to check in")
+        and len(result.err.splitlines()) == 1
+    )
 
 
 def test_colour_only_when_forced_or_on_a_terminal(project, run, monkeypatch: pytest.MonkeyPatch) -> None:
