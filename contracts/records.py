@@ -220,7 +220,7 @@ def _problems(record: dict[str, Any]) -> list[str]:
         if name in record and record[name] not in allowed:
             problems.append(f"{name}={record[name]!r} not in {allowed}")
     anomaly = record.get("anomaly")
-    if anomaly is not None and anomaly not in ANOMALIES:
+    if isinstance(anomaly, str) and anomaly not in ANOMALIES:  # a non-string is reported as a type problem
         problems.append(f"unknown anomaly {anomaly!r}")
     shape = record.get("shape")
     if isinstance(shape, list) and not all(type(d) is int for d in cast("Iterable[object]", shape)):

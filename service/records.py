@@ -371,8 +371,8 @@ def aggregates(session: Session, run: Run, column: Any) -> list[dict[str, Any]]:
         .distinct()
         .subquery()
     )
-    counted = session.execute(select(pairs.c.key, func.count()).group_by(pairs.c.key)).tuples()
-    params: dict[Any, int] = {key: count for key, count in counted}
+    counted = session.execute(select(pairs.c.key, func.count().label("n")).group_by(pairs.c.key)).all()
+    params: dict[Any, int] = {row.key: int(row.n) for row in counted}
     return [{"key": str(r.key), "params": int(params.get(r.key, 0)), **_num(r)} for r in rows]
 
 
@@ -416,7 +416,7 @@ def anomaly_summary(session: Session, run: Run) -> list[dict[str, Any]]:
         select(Record.anomaly, func.count())
         .where(Record.run_id == run.id, Record.anomaly.is_not(None))
         .group_by(Record.anomaly)
-    ).tuples()
+    )
     found = [(_meaning(str(code))[2], int(count), str(code)) for code, count in rows]
     found.sort(key=lambda a: (not a[0], -a[1], a[2]))
     out: list[dict[str, Any]] = []
