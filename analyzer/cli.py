@@ -321,11 +321,7 @@ def _run_check(args: argparse.Namespace) -> int:
         skipped=skipped,
     )
     if not files and not skipped:
-        shown = " ".join(str(p) for p in paths)
-        return _error(
-            f"no Python file to check in {shown} (files ending in {' or '.join(PYTHON_SUFFIXES)} or matching "
-            "[tool.maingrad] include, not excluded by [tool.maingrad] exclude or .gitignore); nothing was checked"
-        )
+        return _nothing_to_check(args, paths)
     changed = None
     if args.diff_only:  # before any work: a bad revision is a usage error
         from maingrad.analyzer.changes import ChangesError, changed_lines
@@ -381,6 +377,23 @@ def _run_check(args: argparse.Namespace) -> int:
     if (failing or report.parse_errors) and not args.exit_zero:
         return EXIT_FINDINGS
     return EXIT_OK
+
+
+def _nothing_to_check(args: argparse.Namespace, paths: Sequence[Path]) -> int:
+    """No file to analyze: a usage error (exit 2, with the reason), unless every path is a file the project
+    excludes and --force-exclude says to honour that (pre-commit passing excluded files: exit 0)."""
+    if args.force_exclude and all(p.is_file() for p in paths):
+        if not args.quiet:
+            print(
+                "maingrad: every file named is excluded ([tool.maingrad] exclude or .gitignore)",
+                file=sys.stderr,
+            )
+        return EXIT_OK
+    shown = " ".join(str(p) for p in paths)
+    return _error(
+        f"no Python file to check in {shown} (files ending in {' or '.join(PYTHON_SUFFIXES)} or matching "
+        "[tool.maingrad] include, not excluded by [tool.maingrad] exclude or .gitignore); nothing was checked"
+    )
 
 
 def _would_fix(files: int, hidden: int) -> str:

@@ -101,6 +101,11 @@ def test_no_python_file_is_a_usage_error(project, run) -> None:
         result.err.startswith("maingrad: error: no Python file to check in")
         and len(result.err.splitlines()) == 1
     )
+    # pre-commit naming only files the project excludes (--force-exclude): nothing to do, not an error
+    project({"gen/a.py": "x = p.main_grad\n"}, 'select = ["MG90"]\nexclude = ["gen/"]\n')
+    excluded = run("check", "--force-exclude", "gen/a.py")
+    assert excluded.code == 0 and "excluded" in excluded.err
+    assert run("check", "gen/a.py").code == 1  # named without --force-exclude: checked
 
 
 def test_colour_only_when_forced_or_on_a_terminal(project, run, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from svc_helpers import sha
 
 from maingrad.cli.main import main
 from maingrad.contracts import sarif as contract
+from maingrad.contracts.report import Severity
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "buggy_grouped_mlp.py"
 
@@ -112,3 +113,25 @@ def test_sarif_names_no_local_path(reports: dict[tuple[str, str], dict[str, Any]
         for result in run["results"]:
             location = result["locations"][0]["physicalLocation"]["artifactLocation"]
             assert location["uriBaseId"] == contract.SRCROOT and not location["uri"].startswith("/")
+
+
+def test_the_service_serves_a_json_upload_as_the_analyzers_own_sarif(
+    project: ProjectCtx, reports: dict[tuple[str, str], dict[str, Any]]
+) -> None:
+    """One finding -> SARIF result mapping (`contracts.sarif.result`): what the service stores for a JSON upload
+    and serves back as SARIF is, result for result, what the analyzer writes as SARIF."""
+    uploaded = project.upload(reports[("head", "json")], sha("rt-served"), branch="main")
+    assert uploaded.status_code in (200, 201), uploaded.text
+    served = project.client.get(
+        project.url(f"/analyses/{uploaded.json()['id']}"),
+        headers=project.headers("read", Accept="application/sarif+json"),
+    ).json()
+    (run,) = served["runs"]
+    own = reports[("head", "sarif")]["runs"][0]["results"]
+    assert len(run["results"]) == len(own) == 4
+    for got, want in zip(run["results"], own, strict=True):
+        assert got["partialFingerprints"].pop("maingrad/alert")  # the service's own alert identity, added
+        assert {k: v for k, v in want.items() if k != "ruleIndex"} == got
+    levels = {d["id"]: d["defaultConfiguration"]["level"] for d in run["tool"]["driver"]["rules"]}
+    assert levels["MG001"] == contract.LEVELS[Severity.ERROR] == "error"
+    assert "helpUri" not in json.dumps(served) and "informationUri" not in json.dumps(served)
