@@ -180,6 +180,8 @@ def iter_text(report: Report, options: OutputOptions) -> Iterator[str]:
                 continue
             head, detail = split_message(f.message)
             yield f"{where}{style(':', _CYAN)} {style(f.rule, _RED, _BOLD)} {severity} {mark}{head}\n"
+            if f.path not in sources:  # findings come in path order: hold one file's lines at a time
+                sources.clear()
             lines = _source_lines(options, f.path, sources)
             frame = _context(f, lines, style) if lines and f.line <= len(lines) else []
             yield "".join(line + "\n" for line in frame)
