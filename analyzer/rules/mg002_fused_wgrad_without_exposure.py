@@ -19,6 +19,7 @@ from maingrad.analyzer.rules._common import (
     is_helper_call,
     is_simple_chain,
     keyword,
+    knows_fsdp_contract,
     last_name,
     local_bindings,
     main_grad_receiver,
@@ -65,6 +66,13 @@ the same path of the same function exposes the buffer (`W.main_grad = W.get_main
 `get_main_grad_from_param(W)`, or a configured `exposure-helpers` call), and the path is not one where `W` is
 known not to be a Megatron-FSDP parameter (the `else` of `if hasattr(W, "__fsdp_param__")`, after
 `if hasattr(W, "__fsdp_param__"): ...; return`, ...).
+
+Only files that handle Megatron-FSDP parameters somewhere (a `get_main_grad()` call, `__fsdp_param__`, TE's
+`get_main_grad_from_param`, a `megatron_fsdp` import, or a configured `exposure-helpers` name) are judged. A
+file that never mentions Megatron-FSDP (apex.transformer, Megatron-LM forks and ports written before it, code
+where `main_grad` is a property) fuses into the buffer its own data-parallel wrapper created at wrap time; the
+missing exposure there is not a bug of that code. The cost: a file written from scratch for Megatron-FSDP
+that never mentions it is not checked.
 
 ## Why is this bad?
 Under Megatron's DDP `main_grad` is a view into the grad buffer from wrap time on. Under Megatron-FSDP it is
@@ -198,14 +206,16 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
     INVALID = [
         Example(
             """\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             import fused_weight_gradient_mlp_cuda
 
             def backward(ctx, weight, total_input, grad_output):
                 if ctx.gradient_accumulation_fusion:
                     fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
             """,
-            line=5,
+            line=6,
             fixed="""\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             import fused_weight_gradient_mlp_cuda
 
             def backward(ctx, weight, total_input, grad_output):
@@ -217,14 +227,16 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
         ),
         Example(
             """\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             from transformer_engine.pytorch.cpp_extensions import general_gemm
 
             def wgrad(weight, x, dy):
                 # accumulate straight into the fp32 buffer
                 general_gemm(x, dy, out=weight.main_grad, accumulate=True, out_dtype=weight.main_grad.dtype)
             """,
-            line=5,
+            line=6,
             fixed="""\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             from transformer_engine.pytorch.cpp_extensions import general_gemm
 
             def wgrad(weight, x, dy):
@@ -236,14 +248,16 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
         ),
         Example(
             """\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             def wgrad(weight, x, dy):
                 if weight.main_grad.dtype == torch.float32:
                     wgrad_gemm_accum_fp32(x, dy, weight.main_grad)
                 elif weight.main_grad.dtype in (torch.float16, torch.bfloat16):
                     wgrad_gemm_accum_fp16(x, dy, weight.main_grad)
             """,
-            line=3,
+            line=4,
             fixed="""\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             def wgrad(weight, x, dy):
                 if hasattr(weight, "__fsdp_param__"):
                     weight.main_grad = weight.get_main_grad()
@@ -255,11 +269,13 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
         ),
         Example(
             """\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             def wgrad(weight, x, dy):
                 weight.main_grad.addmm_(dy.t(), x)
             """,
-            line=2,
+            line=3,
             fixed="""\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             def wgrad(weight, x, dy):
                 if hasattr(weight, "__fsdp_param__"):
                     weight.main_grad = weight.get_main_grad()
@@ -294,6 +310,7 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
         ),
         Example(
             """\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             class ChunkedHead(torch.autograd.Function):
                 @staticmethod
                 def forward(ctx, x, weight, fusion):
@@ -310,16 +327,17 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
                         wgrad_gemm_accum_fp32(x, dy, weight.main_grad)
                     return dy @ weight, None, None
             """,
-            line=14,
+            line=15,
         ),
         Example(
             """\
+            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             class Backward:
                 def run(self, x, dy):
                     for w in self.weights:
                         wgrad_gemm_accum_fp32(x, dy, w.main_grad)
             """,
-            line=4,
+            line=5,
         ),
     ]
 
@@ -328,7 +346,10 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
         exposed before the call. "Provably" is `_exposed_before` restricted to what can be decided exactly:
         an own assignment `R.main_grad = <... R.get_main_grad() ...>` of the same function, before the call
         and not in an exclusive branch, with both receivers plain dotted chains of equal text. Helper calls,
-        `get_main_grad` bound to locals and the ABSENT path facts only remove more findings: ignored."""
+        `get_main_grad` bound to locals and the ABSENT path facts only remove more findings: ignored. The
+        file-level `knows_fsdp_contract` test is the same as in `check`."""
+        if not knows_fsdp_contract(index.source, settings.exposure_helpers):
+            return False
         for call in index.main_grad_calls:
             for buffer in _ast_written_buffers(call):
                 if not _ast_exposed_before(index, call, buffer):
@@ -337,6 +358,8 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         helpers = ctx.settings.exposure_helpers
+        if not knows_fsdp_contract(ctx.source, helpers):
+            return  # no Megatron-FSDP in this file: main_grad is the wrapper's eager buffer (or a property)
         for call in ctx.nodes(cst.Call):
             assert isinstance(call, cst.Call)
             for buffer in _written_buffers(call):
