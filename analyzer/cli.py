@@ -238,7 +238,7 @@ def _scan_settings(args: argparse.Namespace, config: Config, catalog: tuple[Any,
     if args.ignore:
         check_codes(args.ignore, known, "--ignore")
     validate_codes(config, (*known, UNUSED_SUPPRESSION_ID))
-    selected = set(config.selected(known))
+    selected = set(config.selected(known, opt_in=(r.id for r in catalog if not r.default)))
     return ScanSettings(
         rules=tuple(r for r in catalog if r.id in selected),
         known_ids=known,
@@ -452,7 +452,16 @@ def run_rules(args: argparse.Namespace) -> int:
         print(json.dumps([{k: v for k, v in r.to_dict().items() if k != "docs"} for r in rules], indent=2))
         return EXIT_OK
     header = ("ID", "NAME", "SEVERITY", "FIX", "SUMMARY")
-    rows = [(r.id, r.name, r.severity.value, "yes" if r.fixable else "", r.summary) for r in rules]
+    rows = [
+        (
+            r.id,
+            r.name,
+            r.severity.value,
+            "yes" if r.fixable else "",
+            r.summary + ("" if r.default else " (opt-in)"),
+        )
+        for r in rules
+    ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(4)]
     for row in (header, *rows):
         print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])

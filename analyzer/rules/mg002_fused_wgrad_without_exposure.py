@@ -19,7 +19,6 @@ from maingrad.analyzer.rules._common import (
     is_helper_call,
     is_simple_chain,
     keyword,
-    knows_fsdp_contract,
     last_name,
     local_bindings,
     main_grad_receiver,
@@ -57,7 +56,16 @@ class FusedWgradWithoutExposure(Rule):
     )
     needles = ("main_grad",)
     fixable = True
+    default = False  # opt-in: see "Opt-in" below
     docs = """\
+## Opt-in
+Not in the default selection: enable it with `select = ["MG002"]` (or `--select MG002`) in code that runs
+under Megatron-FSDP. Whether a fused write needs the exposure depends on whether Megatron-FSDP wraps the
+parameter, which the file does not say: on 31 Megatron/TE forks, ports and users nobody here wrote
+(`docs/real-world.md`, second table) it reported 39 writes, none a bug (code that predates Megatron-FSDP, or
+where `main_grad` is the eager buffer of another wrapper or a property), while the fixes it exists for
+(Megatron-LM !4018, 2025) were in files that never mentioned Megatron-FSDP either.
+
 ## What it does
 Flags direct fused weight-gradient kernels and GEMMs that write into a parameter's `main_grad`:
 `fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32/fp16(..., W.main_grad)`, TE `general_gemm(...,
@@ -66,13 +74,6 @@ the same path of the same function exposes the buffer (`W.main_grad = W.get_main
 `get_main_grad_from_param(W)`, or a configured `exposure-helpers` call), and the path is not one where `W` is
 known not to be a Megatron-FSDP parameter (the `else` of `if hasattr(W, "__fsdp_param__")`, after
 `if hasattr(W, "__fsdp_param__"): ...; return`, ...).
-
-Only files that handle Megatron-FSDP parameters somewhere (a `get_main_grad()` call, `__fsdp_param__`, TE's
-`get_main_grad_from_param`, a `megatron_fsdp` import, or a configured `exposure-helpers` name) are judged. A
-file that never mentions Megatron-FSDP (apex.transformer, Megatron-LM forks and ports written before it, code
-where `main_grad` is a property) fuses into the buffer its own data-parallel wrapper created at wrap time; the
-missing exposure there is not a bug of that code. The cost: a file written from scratch for Megatron-FSDP
-that never mentions it is not checked.
 
 ## Why is this bad?
 Under Megatron's DDP `main_grad` is a view into the grad buffer from wrap time on. Under Megatron-FSDP it is
@@ -98,9 +99,11 @@ The fix inserts exactly that guarded exposure before the outermost statement on 
 `W.main_grad` (so a `W.main_grad.dtype` check sees the exposed buffer too). DDP parameters are untouched.
 
 ## In real code
-No real instance is known: it reported nothing on the 14 code bases of `docs/real-world.md` (megatron-core
+It reported nothing on the 14 code bases of the first table of `docs/real-world.md` (megatron-core
 0.16.1/0.18.2/0.19.2, Transformer Engine 2.20.2, megatron-bridge, NeMo, ModelOpt, nanotron, DeepSpeed,
-ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards the contract against new code.
+ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main), and 39 false alarms on the 31 code
+bases of the second table (hence opt-in). Megatron-LM fixed the bug it describes in
+`tensor_parallel/layers.py` and `utils.py` in September 2025 (!4018).
 """
 
     VALID = [
@@ -206,16 +209,14 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
     INVALID = [
         Example(
             """\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             import fused_weight_gradient_mlp_cuda
 
             def backward(ctx, weight, total_input, grad_output):
                 if ctx.gradient_accumulation_fusion:
                     fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
             """,
-            line=6,
+            line=5,
             fixed="""\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             import fused_weight_gradient_mlp_cuda
 
             def backward(ctx, weight, total_input, grad_output):
@@ -227,16 +228,14 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
         ),
         Example(
             """\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             from transformer_engine.pytorch.cpp_extensions import general_gemm
 
             def wgrad(weight, x, dy):
                 # accumulate straight into the fp32 buffer
                 general_gemm(x, dy, out=weight.main_grad, accumulate=True, out_dtype=weight.main_grad.dtype)
             """,
-            line=6,
+            line=5,
             fixed="""\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             from transformer_engine.pytorch.cpp_extensions import general_gemm
 
             def wgrad(weight, x, dy):
@@ -248,34 +247,30 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
         ),
         Example(
             """\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             def wgrad(weight, x, dy):
                 if weight.main_grad.dtype == torch.float32:
                     wgrad_gemm_accum_fp32(x, dy, weight.main_grad)
                 elif weight.main_grad.dtype in (torch.float16, torch.bfloat16):
                     wgrad_gemm_accum_fp16(x, dy, weight.main_grad)
-            """,
-            line=4,
-            fixed="""\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
-            def wgrad(weight, x, dy):
-                if hasattr(weight, "__fsdp_param__"):
-                    weight.main_grad = weight.get_main_grad()
-                if weight.main_grad.dtype == torch.float32:
-                    wgrad_gemm_accum_fp32(x, dy, weight.main_grad)
-                elif weight.main_grad.dtype in (torch.float16, torch.bfloat16):
-                    wgrad_gemm_accum_fp16(x, dy, weight.main_grad)
-            """,
-        ),
-        Example(
-            """\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
-            def wgrad(weight, x, dy):
-                weight.main_grad.addmm_(dy.t(), x)
             """,
             line=3,
             fixed="""\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
+            def wgrad(weight, x, dy):
+                if hasattr(weight, "__fsdp_param__"):
+                    weight.main_grad = weight.get_main_grad()
+                if weight.main_grad.dtype == torch.float32:
+                    wgrad_gemm_accum_fp32(x, dy, weight.main_grad)
+                elif weight.main_grad.dtype in (torch.float16, torch.bfloat16):
+                    wgrad_gemm_accum_fp16(x, dy, weight.main_grad)
+            """,
+        ),
+        Example(
+            """\
+            def wgrad(weight, x, dy):
+                weight.main_grad.addmm_(dy.t(), x)
+            """,
+            line=2,
+            fixed="""\
             def wgrad(weight, x, dy):
                 if hasattr(weight, "__fsdp_param__"):
                     weight.main_grad = weight.get_main_grad()
@@ -310,7 +305,6 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
         ),
         Example(
             """\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             class ChunkedHead(torch.autograd.Function):
                 @staticmethod
                 def forward(ctx, x, weight, fusion):
@@ -327,17 +321,16 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
                         wgrad_gemm_accum_fp32(x, dy, weight.main_grad)
                     return dy @ weight, None, None
             """,
-            line=15,
+            line=14,
         ),
         Example(
             """\
-            import megatron_fsdp  # this module also handles Megatron-FSDP parameters
             class Backward:
                 def run(self, x, dy):
                     for w in self.weights:
                         wgrad_gemm_accum_fp32(x, dy, w.main_grad)
             """,
-            line=5,
+            line=4,
         ),
     ]
 
@@ -346,10 +339,7 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
         exposed before the call. "Provably" is `_exposed_before` restricted to what can be decided exactly:
         an own assignment `R.main_grad = <... R.get_main_grad() ...>` of the same function, before the call
         and not in an exclusive branch, with both receivers plain dotted chains of equal text. Helper calls,
-        `get_main_grad` bound to locals and the ABSENT path facts only remove more findings: ignored. The
-        file-level `knows_fsdp_contract` test is the same as in `check`."""
-        if not knows_fsdp_contract(index.source, settings.exposure_helpers):
-            return False
+        `get_main_grad` bound to locals and the ABSENT path facts only remove more findings: ignored."""
         for call in index.main_grad_calls:
             for buffer in _ast_written_buffers(call):
                 if not _ast_exposed_before(index, call, buffer):
@@ -358,8 +348,6 @@ ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         helpers = ctx.settings.exposure_helpers
-        if not knows_fsdp_contract(ctx.source, helpers):
-            return  # no Megatron-FSDP in this file: main_grad is the wrapper's eager buffer (or a property)
         for call in ctx.nodes(cst.Call):
             assert isinstance(call, cst.Call)
             for buffer in _written_buffers(call):

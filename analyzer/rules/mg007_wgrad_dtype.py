@@ -359,6 +359,8 @@ Fixes: `out_dtype` becomes `<out>.dtype` (safe); the kernel call is wrapped in t
 megatron-core 0.16.1, 0.18.2 and 0.19.2 `LinearWithGradAccumulationAndAsyncCommunication.backward`, Megatron-FSDP
 branch without TE: `torch.matmul(grad_output.t(), total_input, out=weight.main_grad)` with bf16 inputs and an
 fp32 buffer raises. Megatron-LM main replaced it (`_wgrad_gemm` computes in the inputs' dtype and copies).
+The same code in HYGON-AI/Megatron-LM-das and krafton-ai/Megatron-Dion (second table of
+`docs/real-world.md`, no false alarm on its 31 code bases).
 """
 
     VALID = [

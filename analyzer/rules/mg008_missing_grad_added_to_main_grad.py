@@ -85,7 +85,8 @@ but never sets `W.grad_added_to_main_grad = True`.
 
 The buffer is followed through local names and into same-file helpers: a backward that hands `W.main_grad`
 (or a name bound to it) to a function that writes the matching parameter (TE <= 2.6
-`BasicLinear._functional_backward(..., grad_weight=W.main_grad)`) writes it too. A backward that returns
+`BasicLinear._functional_backward(..., grad_weight=W.main_grad)`) writes it too; so does one that hands it
+to a function defined elsewhere as `grad_weight=`, `wgrad=` or `weight_grad=` (an output buffer by name). A backward that returns
 `None` for the weight after the write (a name set to `None` on the write's path and returned, or a `None`
 in every return slot whose `forward` parameter is named like a weight) is reported only in files written
 against the flag's contract (they mention the flag, `overwrite_main_grad`, dummy wgrads, Megatron-FSDP, or
@@ -122,9 +123,10 @@ The (unsafe) fix inserts the guarded assignment after the write; return a dummy 
 (TE's `get_dummy_wgrad`) rather than the real one, as megatron-core does.
 
 ## In real code
-No real instance is known: it reported nothing on the 14 code bases of `docs/real-world.md` (megatron-core
-0.16.1/0.18.2/0.19.2, Transformer Engine 2.20.2, megatron-bridge, NeMo, ModelOpt, nanotron, DeepSpeed,
-ColossalAI, torchtitan, and Megatron-LM, TE and Megatron-Bridge main). It guards the contract against new code.
+Transformer Engine v2.6 `BasicLinear.op_backward`, `BackwardLinearAdd.fuser_backward` and
+`UserbuffersBackwardLinear` (fixed by TE #2097, which returns a dummy wgrad and sets the flag) and the ROCm
+fork's `BasicLinear.op_backward` (second table of `docs/real-world.md`). Nothing on the 14 code bases of the
+first table, and no false alarm on the 31 forks, ports and users of the second.
 """
 
     VALID = [
@@ -480,6 +482,10 @@ def _is_method(ctx: FileContext, func: cst.FunctionDef) -> bool:
     return not any(dotted_name(d.decorator) == "staticmethod" for d in func.decorators)
 
 
+# Keywords that name a weight-gradient output buffer: a main_grad passed there is written by the callee.
+_OUTPUT_KEYWORDS = frozenset({"grad_weight", "wgrad", "weight_grad"})
+
+
 class _Helpers:
     """Same-file functions that write a wgrad into one of their parameters (TE <= 2.6
     `BasicLinear._functional_backward(..., grad_weight=W.main_grad)`: `dw = grad_weight;
@@ -538,7 +544,11 @@ class _Helpers:
             else None
         )
         candidates = self.functions.get(name or "", [])
-        if len(candidates) != 1:
+        if len(candidates) != 1:  # not defined here (TE's fused ops call `BasicLinear._functional_backward`)
+            for arg in call.args:
+                named = arg.keyword.value if arg.keyword is not None else None
+                if named in _OUTPUT_KEYWORDS and scope.is_main_grad(arg.value):
+                    return arg.value
             return None
         helper = candidates[0]
         params = [p.name.value for p in _params(helper)]

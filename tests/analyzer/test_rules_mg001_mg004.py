@@ -333,8 +333,6 @@ def test_mg002_ddp_only_path_by_early_exit_is_clean() -> None:
 
 def test_mg002_fix_is_idempotent_and_keeps_comments() -> None:
     code = """\
-    import megatron_fsdp
-
     def backward(weight, x, dy):
         # fused accumulate
         wgrad_gemm_accum_fp32(x, dy, weight.main_grad)  # into fp32
@@ -342,8 +340,6 @@ def test_mg002_fix_is_idempotent_and_keeps_comments() -> None:
     out = fixed(FusedWgradWithoutExposure, code)
     assert out == textwrap.dedent(
         """\
-        import megatron_fsdp
-
         def backward(weight, x, dy):
             # fused accumulate
             if hasattr(weight, "__fsdp_param__"):
