@@ -236,6 +236,17 @@ first table, and no false alarm on the 31 forks, ports and users of the second.
                     return grad_output @ weight, None, None
             """
         ),
+        # A same-file helper that only reads the buffer it is handed does not write it.
+        Example(
+            """\
+            def _norm(grad_weight):
+                return grad_weight.norm()
+
+            def backward(ctx, dy):
+                ctx.log(_norm(ctx.weight.main_grad))
+                return dy @ ctx.weight, dy.t() @ ctx.x
+            """
+        ),
     ]
     INVALID = [
         Example(
@@ -323,6 +334,23 @@ first table, and no false alarm on the 31 forks, ports and users of the second.
                     return grad_output, dw
             """,
             line=9,
+        ),
+        # TE <= 2.6 `BackwardLinearAdd.fuser_backward`: the helper is defined in another file; the buffer goes
+        # to its `grad_weight=` output argument.
+        Example(
+            """\
+            class BackwardLinearAdd(FusedOperation):
+                def fuser_backward(self, basic_op_ctxs, grad_output):
+                    linear_op = self.basic_ops[0]
+                    grad_weight = None
+                    if linear_op._accumulate_into_main_grad:
+                        grad_weight = linear_op.weight.main_grad.detach()
+                    grad_input, grad_weight = BasicLinear._functional_backward(
+                        grad_output, grad_weight=grad_weight, accumulate_into_grad_weight=True
+                    )
+                    return grad_input, [(grad_weight,)]
+            """,
+            line=7,
         ),
     ]
 
