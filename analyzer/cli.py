@@ -280,7 +280,7 @@ def _scan_settings(args: argparse.Namespace, config: Config, catalog: tuple[Any,
     if args.ignore:
         check_codes(args.ignore, known, "--ignore")
     validate_codes(config, (*known, UNUSED_SUPPRESSION_ID))
-    selected = set(config.selected(known))
+    selected = set(config.selected(known, opt_in=(r.id for r in catalog if not r.default)))
     return ScanSettings(
         rules=tuple(r for r in catalog if r.id in selected),
         known_ids=known,
@@ -518,7 +518,14 @@ def run_rules(args: argparse.Namespace) -> int:
 
     header = ("ID", "NAME", "SEVERITY", "FIX", "SUMMARY")
     rows = [
-        (r.id, r.name, r.severity.value, _fix_column(r.fixable, fix_safety(r.id)), r.summary) for r in rules
+        (
+            r.id,
+            r.name,
+            r.severity.value,
+            _fix_column(r.fixable, fix_safety(r.id)),
+            r.summary + ("" if r.default else " (opt-in)"),
+        )
+        for r in rules
     ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(4)]
     for row in (header, *rows):
