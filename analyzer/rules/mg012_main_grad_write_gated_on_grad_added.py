@@ -1,0 +1,211 @@
+"""MG012: a write of a computed weight gradient into `main_grad` that runs only when `grad_added_to_main_grad`
+says so.
+
+`W.grad_added_to_main_grad` is a per-iteration flag: the data-parallel wrapper clears it in
+`zero_grad_buffer()` before the micro-batch loop and every backward that put its wgrad into `main_grad` sets
+it. It tells the wrapper's grad hook "main_grad already holds this backward's gradient, do not add `.grad`".
+Used to decide whether a backward's own gradient is written, it skips every micro-batch after the first (when
+the write is gated on the flag being unset) or the first (gated on it being set): with gradient accumulation
+only part of the gradient reaches `main_grad` (AMD-AGI/Primus #1046: 1 micro-batch gradient of 32).
+
+What is judged: every write into a main_grad buffer (`rules._common.written_buffer`: `add_`/`copy_`,
+`+=`, `wgrad_gemm_accum_*`, `out=`), through local aliases (`MainGradScope`), whose value is not a parameter's
+`.grad`, against the tests that decide whether it runs (`dataflow.deciding_tests`). A test that reads the
+flag's value (directly, through `getattr`, or through local names: `dataflow.reads_attribute_value`) is the
+finding; `hasattr(W, "grad_added_to_main_grad")` only asks whether the wrapper supports the flag and is fine.
+The grad hook's own `if not p.grad_added_to_main_grad: p.main_grad.add_(p.grad)` moves the parameter's
+autograd gradient and is not a backward's write; so does megatron-core's emulation of that hook inside a
+captured CUDA graph, which adds `torch.autograd.grad(...)` results (followed through local names and loop
+targets: `dataflow.derives_from`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import libcst as cst
+
+from maingrad.analyzer import dataflow
+from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.facts import GRAD_ADDED_FLAG
+from maingrad.analyzer.names import dotted_name
+from maingrad.analyzer.rules._common import MainGradScope, code_of, written_buffer
+from maingrad.analyzer.rules.base import Example, Rule, Violation
+from maingrad.contracts.report import Severity
+
+
+def _written_value(node: cst.CSTNode) -> cst.BaseExpression | None:
+    if isinstance(node, cst.AugAssign):
+        return node.value
+    if isinstance(node, cst.Call) and node.args:
+        return node.args[0].value
+    return None
+
+
+def _is_autograd_gradient(node: cst.CSTNode) -> bool:
+    """`p.grad` or a `torch.autograd.grad(...)` result: the parameter's autograd gradient, which the grad hook
+    (or its emulation inside a CUDA graph) moves into `main_grad` only when no backward wrote it there."""
+    if isinstance(node, cst.Attribute) and node.attr.value == "grad":
+        return True
+    return isinstance(node, cst.Call) and (dotted_name(node.func) or "").endswith("autograd.grad")
+
+
+class MainGradWriteGatedOnGradAdded(Rule):
+    id = "MG012"
+    name = "main-grad-write-gated-on-grad-added"
+    severity = Severity.ERROR
+    summary = "a wgrad written into `main_grad` only when `grad_added_to_main_grad` is (un)set: later micro-batches are dropped"
+    needles = (GRAD_ADDED_FLAG,)
+    docs = """\
+## What it does
+Finds a write of a computed weight gradient into `W.main_grad` (`add_`, `copy_`, `+=`, a fused
+`wgrad_gemm_accum_*` kernel, a GEMM with `out=`) that runs only when a test of `W.grad_added_to_main_grad`'s
+value allows it, directly, through `getattr` or through a local variable.
+
+## Why is this bad?
+`grad_added_to_main_grad` is per iteration, not per micro-batch: Megatron's `zero_grad_buffer()` clears it
+before the micro-batch loop and the first backward that writes into `main_grad` sets it. It means "main_grad
+already owns this gradient, so the grad hook must not add `param.grad` on top", not "an add already happened".
+Gated on the flag being unset, the write happens for micro-batch 0 only; gated on it being set, micro-batch 0
+is the one lost. With gradient accumulation the optimizer then sees a fraction of the gradient, silently
+(AMD-AGI/Primus #1046: at global batch 512 and micro-batch 2, 1 gradient of 32). The backward returns a dummy
+gradient, so nothing else recovers the lost micro-batches.
+
+## Example
+```python
+def _bridge_weight_grad(weight, wgrad, fuse_wgrad_accum):
+    if fuse_wgrad_accum:
+        weight.grad_added_to_main_grad = True
+    elif not weight.grad_added_to_main_grad:
+        weight.main_grad.add_(wgrad)
+        weight.grad_added_to_main_grad = True
+```
+
+## Use instead
+```python
+def _bridge_weight_grad(weight, wgrad, fuse_wgrad_accum):
+    if not fuse_wgrad_accum:
+        weight.main_grad.add_(wgrad)
+    weight.grad_added_to_main_grad = True
+```
+Add on every micro-batch, then set the flag. `hasattr(W, "grad_added_to_main_grad")` (does the wrapper use the
+flag at all?) is fine as a test; so is the grad hook's own `if not p.grad_added_to_main_grad:
+p.main_grad.add_(p.grad)`, which moves `.grad` rather than a backward's gradient.
+
+## Fix safety
+No automatic fix: which branch should stay depends on whether the other branch already wrote the gradient.
+
+## In real code
+AMD-AGI/Primus's Turbo bridge (`_bridge_weight_grad`, fixed by #1046) is the form in the INVALID example. It
+reported nothing on the 14 code bases of `docs/real-world.md`.
+"""
+
+    VALID = [
+        # The fixed Primus bridge: add unconditionally, then set the flag.
+        Example(
+            """\
+            def _bridge_weight_grad(weight, wgrad, fuse_wgrad_accum):
+                if not fuse_wgrad_accum:
+                    weight.main_grad.add_(wgrad)
+                weight.grad_added_to_main_grad = True
+            """
+        ),
+        # Megatron's grad hook: it moves `.grad` and skips when a backward already wrote main_grad.
+        Example(
+            """\
+            def hook(param):
+                if param.grad is not None and not param.grad_added_to_main_grad:
+                    param.main_grad.add_(param.grad.data)
+                param.grad = None
+            """
+        ),
+        # megatron-core's CUDA-graph emulation of the grad hook: the value is autograd's gradient.
+        Example(
+            """\
+            import torch
+
+            def capture(self, outputs, inputs):
+                grad_inputs = torch.autograd.grad(outputs=outputs, inputs=inputs, allow_unused=True)
+                for param, wgrad in zip(self.params, grad_inputs):
+                    if wgrad is not None and not getattr(param, "grad_added_to_main_grad", False):
+                        param.main_grad.add_(wgrad)
+            """
+        ),
+        # An existence test of the flag (does the wrapper use it?) is not a test of its value.
+        Example(
+            """\
+            def backward(ctx, dy):
+                weight = ctx.weight
+                if hasattr(weight, "grad_added_to_main_grad"):
+                    weight.main_grad.add_(dy.t() @ ctx.x)
+                    weight.grad_added_to_main_grad = True
+            """
+        ),
+    ]
+    INVALID = [
+        Example(
+            """\
+            def _bridge_weight_grad(weight, wgrad, fuse_wgrad_accum):
+                if fuse_wgrad_accum:
+                    weight.grad_added_to_main_grad = True
+                elif not weight.grad_added_to_main_grad:
+                    weight.main_grad.add_(wgrad)
+                    weight.grad_added_to_main_grad = True
+            """,
+            line=5,
+        ),
+        # Through getattr, a local flag and a local alias of the buffer, with an early return.
+        Example(
+            """\
+            def backward(ctx, dy):
+                weight = ctx.weight
+                done = getattr(weight, "grad_added_to_main_grad", False)
+                if done:
+                    return None
+                buf = weight.main_grad
+                fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(ctx.x, dy, buf)
+            """,
+            line=7,
+        ),
+    ]
+
+    def check(self, ctx: FileContext) -> Iterator[Violation]:
+        if GRAD_ADDED_FLAG not in ctx.source:
+            return
+        scopes: dict[cst.FunctionDef | None, tuple[MainGradScope, dict[str, list[cst.BaseExpression]]]] = {}
+        for node in ctx.nodes(cst.Call, cst.Dict, cst.AugAssign):
+            target = written_buffer(node)
+            if target is None:
+                continue
+            func = next((a for a in ctx.ancestors(node) if isinstance(a, cst.FunctionDef)), None)
+            if func not in scopes:
+                outer = func
+                for a in ctx.ancestors(func) if func is not None else ():
+                    if isinstance(a, cst.FunctionDef):
+                        outer = a
+                scopes[func] = (MainGradScope.of(ctx, func), dataflow.local_bindings(outer))
+            scope, bindings = scopes[func]
+            if not scope.is_main_grad(target):
+                continue
+            value = _written_value(node)
+            if value is not None and dataflow.derives_from(value, _is_autograd_gradient, bindings):
+                continue
+            test = next(
+                (
+                    t
+                    for t in dataflow.deciding_tests(ctx, node)
+                    if dataflow.reads_attribute_value(t, GRAD_ADDED_FLAG, bindings)
+                ),
+                None,
+            )
+            if test is None:
+                continue
+            yield Violation(
+                node=node,
+                message=(
+                    f"this write into `{code_of(target)}` runs only when `{code_of(test)}` allows it, a test of "
+                    "`grad_added_to_main_grad`: the flag is per iteration (cleared by the wrapper's zero_grad_buffer, "
+                    "set by the first backward), so every other micro-batch's gradient is dropped; write on every "
+                    "micro-batch and set the flag afterwards"
+                ),
+            )
