@@ -3,8 +3,8 @@
 `pairs/<repo>/<commit>_<file>/{before,after}.py.txt` are trimmed excerpts of Transformer Engine, Megatron-LM and
 Megatron-Bridge at a fix commit's parent and at the fix (each file's header names the repository, both commits,
 the path, the upstream PR and the license). `labels.toml` says per pair which mechanism the fix addresses and
-which rule must fire on `before` and stay silent on `after` (or why no rule can see it). Every third pair by
-commit date is held out: it was labelled but not read while the rules MG012+ were written.
+which rule must fire on `before` and stay silent on `after` (or why no rule can see it). A third of the pairs
+(by a hash of the folder name: `_held_out`) is held out: labelled, never used to write or tune a rule.
 
 `python3 tests/analyzer/history/corpus.py` prints the recall table; `--write docs/real-world.md` replaces the
 generated part of that page's "History corpus" section (a test fails while it is stale).
@@ -13,6 +13,7 @@ generated part of that page's "History corpus" section (a test fails while it is
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 from collections import defaultdict
@@ -79,9 +80,16 @@ def pairs() -> tuple[Pair, ...]:
                 after=dict(entry.get("after", {})),
             )
         )
-    ordered = sorted(found, key=lambda p: (p.date, p.dir))
-    # Held out: every third pair by commit date (fixed by the data, not chosen).
-    return tuple(Pair(**{**p.__dict__, "held_out": index % 3 == 2}) for index, p in enumerate(ordered))
+    # Held out: a third of the pairs, chosen by a hash of the pair's folder name, so the choice depends on the
+    # data only and stays put when pairs are added.
+    return tuple(
+        Pair(**{**p.__dict__, "held_out": _held_out(p.dir)})
+        for p in sorted(found, key=lambda p: (p.date, p.dir))
+    )
+
+
+def _held_out(name: str) -> bool:
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % 3 == 0
 
 
 def rules_firing(source: str, path: str) -> set[str]:
@@ -129,7 +137,7 @@ def table(outcomes: list[Outcome]) -> str:
     lines = [
         f"{len(outcomes)} pairs: "
         + ", ".join(f"{n} from {repo}" for repo, n in sorted(repos.items()))
-        + f"; {sum(o.pair.held_out for o in outcomes)} held out (every third by commit date).",
+        + f"; {sum(o.pair.held_out for o in outcomes)} held out (a third, by a hash of the folder name).",
         "",
         "| mechanism | rule | pairs (held out) | recall, all | recall, held out | expected failures |",
         "|---|---|---:|---:|---:|---|",
