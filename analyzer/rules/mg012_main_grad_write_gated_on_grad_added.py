@@ -131,6 +131,16 @@ reported nothing on the 14 code bases of `docs/real-world.md`.
                         param.main_grad.add_(wgrad)
             """
         ),
+        # The flag is set after an unconditional write; other tests decide nothing about it.
+        Example(
+            """\
+            def backward(ctx, dy):
+                weight = ctx.weight
+                if ctx.fuse_wgrad_accumulation:
+                    weight.main_grad.add_(dy.t() @ ctx.x)
+                weight.grad_added_to_main_grad = True
+            """
+        ),
         # An existence test of the flag (does the wrapper use it?) is not a test of its value.
         Example(
             """\
@@ -166,6 +176,16 @@ reported nothing on the 14 code bases of `docs/real-world.md`.
                 fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(ctx.x, dy, buf)
             """,
             line=7,
+        ),
+        # Gated on the flag being set (micro-batch 0 is the one lost), `+=` into a local alias.
+        Example(
+            """\
+            def _apply_wgrad(param, wgrad):
+                buf = param.main_grad
+                if param.grad_added_to_main_grad:
+                    buf += wgrad
+            """,
+            line=4,
         ),
     ]
 

@@ -290,6 +290,24 @@ Megatron-Bridge main (2026-08-22) `peft/utils.py`: the replicated-factor hook of
             """,
             line=13,
         ),
+        # Through functools.partial, on a TE module's bias.
+        Example(
+            """\
+            import functools
+
+            import torch
+            import transformer_engine.pytorch as te
+
+            def _scale(grad, factor):
+                return grad * factor
+
+            def build(hidden):
+                layer = te.Linear(hidden, hidden, fuse_wgrad_accumulation=True)
+                layer.bias.register_hook(functools.partial(_scale, factor=0.5))
+                return layer
+            """,
+            line=11,
+        ),
     ]
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
