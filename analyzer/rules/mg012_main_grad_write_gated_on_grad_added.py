@@ -9,7 +9,8 @@ the write is gated on the flag being unset) or the first (gated on it being set)
 only part of the gradient reaches `main_grad` (AMD-AGI/Primus #1046: 1 micro-batch gradient of 32).
 
 What is judged: every write into a main_grad buffer (`rules._common.written_buffer`: `add_`/`copy_`,
-`+=`, `wgrad_gemm_accum_*`, `out=`), through local aliases (`MainGradScope`), whose value is not a parameter's
+`+=`, `wgrad_gemm_accum_*`, `out=`; and a function named like an in-place op, `inplace_add_(buf, x)`, whose
+first argument is the buffer), through local aliases (`MainGradScope`), whose value is not a parameter's
 `.grad`, against the tests that decide whether it runs (`dataflow.deciding_tests`). A test that reads the
 flag's value (directly, through `getattr`, or through local names: `dataflow.reads_attribute_value`) is the
 finding; `hasattr(W, "grad_added_to_main_grad")` only asks whether the wrapper supports the flag and is fine.
@@ -37,9 +38,29 @@ from maingrad.contracts.report import Severity
 def _written_value(node: cst.CSTNode) -> cst.BaseExpression | None:
     if isinstance(node, cst.AugAssign):
         return node.value
+    if isinstance(node, cst.Call) and _inplace_helper_target(node) is not None:
+        return node.args[1].value if len(node.args) > 1 else None
     if isinstance(node, cst.Call) and node.args:
         return node.args[0].value
     return None
+
+
+def _inplace_helper_target(call: cst.Call) -> cst.BaseExpression | None:
+    """`inplace_add_triton_(buf, x)`, `torch.add_(buf, x)`: a function (not a method) whose name ends in `_`,
+    PyTorch's convention for "mutates its first argument", writes into its first argument."""
+    name = (dotted_name(call.func) or "").rsplit(".", 1)[-1]
+    if isinstance(call.func, cst.Attribute) and not (dotted_name(call.func.value) or "").startswith("torch"):
+        return None
+    if not name.endswith("_") or name.startswith("_") or not call.args or call.args[0].keyword is not None:
+        return None
+    return call.args[0].value
+
+
+def _written(node: cst.CSTNode) -> cst.BaseExpression | None:
+    target = written_buffer(node)
+    if target is None and isinstance(node, cst.Call):
+        return _inplace_helper_target(node)
+    return target
 
 
 def _is_autograd_gradient(node: cst.CSTNode) -> bool:
@@ -96,8 +117,9 @@ p.main_grad.add_(p.grad)`, which moves `.grad` rather than a backward's gradient
 No automatic fix: which branch should stay depends on whether the other branch already wrote the gradient.
 
 ## In real code
-AMD-AGI/Primus's Turbo bridge (`_bridge_weight_grad`, fixed by #1046) is the form in the INVALID example. It
-reported nothing on the 14 code bases of `docs/real-world.md`.
+AMD-AGI/Primus main at 2026-08-22 (`primus/backends/megatron/core/extensions/primus_turbo.py`, the
+Turbo bridge's backward, lines 208 and 210), fixed upstream by #1046: the last INVALID example. It reported
+nothing on the 14 code bases of `docs/real-world.md`.
 """
 
     VALID = [
@@ -187,6 +209,22 @@ reported nothing on the 14 code bases of `docs/real-world.md`.
             """,
             line=4,
         ),
+        # Primus at 2026-08-22 (fixed by #1046): an in-place helper on one architecture, add_ on the others.
+        Example(
+            """\
+            def backward(ctx, grad_x, grad_w):
+                (weight,) = ctx.saved_tensors
+                if ctx.fuse_wgrad_accum:
+                    weight.grad_added_to_main_grad = True
+                elif not weight.grad_added_to_main_grad:
+                    if _is_gfx1250():
+                        inplace_add_triton_(weight.main_grad, grad_w)
+                    else:
+                        weight.main_grad.add_(grad_w)
+                    weight.grad_added_to_main_grad = True
+            """,
+            line=7,
+        ),
     ]
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
@@ -194,7 +232,7 @@ reported nothing on the 14 code bases of `docs/real-world.md`.
             return
         scopes: dict[cst.FunctionDef | None, tuple[MainGradScope, dict[str, list[cst.BaseExpression]]]] = {}
         for node in ctx.nodes(cst.Call, cst.Dict, cst.AugAssign):
-            target = written_buffer(node)
+            target = _written(node)
             if target is None:
                 continue
             func = next((a for a in ctx.ancestors(node) if isinstance(a, cst.FunctionDef)), None)
