@@ -22,16 +22,18 @@ targets: `dataflow.derives_from`).
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 
 import libcst as cst
 
-from maingrad.analyzer import dataflow
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer import dataflow, syntax_index
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.facts import GRAD_ADDED_FLAG
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.rules._common import MainGradScope, code_of, written_buffer
 from maingrad.analyzer.rules.base import Example, Rule, Violation
+from maingrad.analyzer.syntax_index import SyntaxIndex, gate_aliases, spine_is_main_grad, spine_of
 from maingrad.contracts.report import Severity
 
 
@@ -227,6 +229,32 @@ nothing on the 14 code bases of `docs/real-world.md`.
         ),
     ]
 
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check` with the `ast` mirrors below: some candidate write into a buffer that may be
+        a main_grad (`index.writes`, or an in-place helper whose first argument may be one: `spine_is_main_grad`
+        over the file-wide aliases), whose value does not derive from autograd's gradient through the
+        outermost function's bindings (the same predicate and depth as `check`), in an outermost function (or
+        the module) that reads the flag's value (`X.grad_added_to_main_grad` loaded, or a `getattr` of it):
+        every deciding test and every binding `check` consults lies there."""
+        if GRAD_ADDED_FLAG not in index.source:
+            return False
+        aliases = gate_aliases(index)
+        candidates: list[ast.AST] = [w.node for w in index.writes if spine_is_main_grad(w.spine, aliases)]
+        for node in ast.walk(index.tree):
+            target = _ast_inplace_target(node) if type(node) is ast.Call else None
+            if target is not None and spine_is_main_grad(spine_of(target), aliases):
+                candidates.append(node)
+        for node in candidates:
+            outer = _ast_outermost_def(index, node)
+            root: ast.AST = outer if outer is not None else index.tree
+            bindings = _ast_bindings(outer) if outer is not None else {}
+            value = _ast_written_value(node)
+            if value is not None and _ast_derives_from(value, bindings, 0):
+                continue
+            if _ast_reads_flag(root):
+                return True
+        return False
+
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         if GRAD_ADDED_FLAG not in ctx.source:
             return
@@ -267,3 +295,82 @@ nothing on the 14 code bases of `docs/real-world.md`.
                     "micro-batch and set the flag afterwards"
                 ),
             )
+
+
+# `ast` mirrors of the check's helpers, for the gate ------------------------------------------------------
+def _ast_inplace_target(call: ast.Call) -> ast.expr | None:
+    func = call.func
+    name = (syntax_index.dotted(func) or "").rsplit(".", 1)[-1]
+    if type(func) is ast.Attribute and not (syntax_index.dotted(func.value) or "").startswith("torch"):
+        return None
+    if not name.endswith("_") or name.startswith("_") or not call.args:
+        return None
+    first = call.args[0]
+    return first.value if type(first) is ast.Starred else first
+
+
+def _ast_written_value(node: ast.AST) -> ast.AST | None:
+    if type(node) is ast.AugAssign:
+        return node.value
+    if type(node) is ast.Call:
+        if _ast_inplace_target(node) is not None:
+            return node.args[1] if len(node.args) > 1 else (node.keywords[0].value if node.keywords else None)
+        if node.args:
+            return node.args[0]
+        return node.keywords[0].value if node.keywords else None
+    return None
+
+
+def _ast_outermost_def(index: SyntaxIndex, node: ast.AST) -> ast.AST | None:
+    outer = None
+    for ancestor in index.ancestors(node):
+        if type(ancestor) in (ast.FunctionDef, ast.AsyncFunctionDef):
+            outer = ancestor
+    return outer
+
+
+def _ast_bindings(func: ast.AST) -> dict[str, list[ast.AST]]:
+    out: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(func):
+        if type(node) is ast.Assign:
+            for target in node.targets:
+                if type(target) is ast.Name:
+                    out.setdefault(target.id, []).append(node.value)
+        elif type(node) is ast.AnnAssign and node.value is not None and type(node.target) is ast.Name:
+            out.setdefault(node.target.id, []).append(node.value)
+        elif type(node) in (ast.For, ast.AsyncFor, ast.comprehension):
+            for name in ast.walk(node.target):  # type: ignore[attr-defined]
+                if type(name) is ast.Name:
+                    out.setdefault(name.id, []).append(node.iter)  # type: ignore[attr-defined]
+    return out
+
+
+def _ast_derives_from(expr: ast.AST, bindings: dict[str, list[ast.AST]], depth: int) -> bool:
+    for node in ast.walk(expr):
+        if type(node) is ast.Attribute and node.attr == "grad":
+            return True
+        if type(node) is ast.Call and (syntax_index.dotted(node.func) or "").endswith("autograd.grad"):
+            return True
+        if (
+            depth < 4
+            and type(node) is ast.Name
+            and node.id in bindings
+            and any(_ast_derives_from(v, bindings, depth + 1) for v in bindings[node.id])
+        ):
+            return True
+    return False
+
+
+def _ast_reads_flag(root: ast.AST) -> bool:
+    for node in ast.walk(root):
+        if type(node) is ast.Attribute and node.attr == GRAD_ADDED_FLAG and type(node.ctx) is ast.Load:
+            return True
+        if (
+            type(node) is ast.Call
+            and type(node.func) is ast.Name
+            and node.func.id == "getattr"
+            and len(node.args) >= 2
+            and syntax_index.is_str(node.args[1], GRAD_ADDED_FLAG)
+        ):
+            return True
+    return False

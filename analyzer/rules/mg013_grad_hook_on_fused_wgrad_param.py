@@ -21,16 +21,18 @@ data-parallel wrapper's own) and on activations are not parameters and are not j
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 
 import libcst as cst
 
 from maingrad.analyzer import dataflow, walk
-from maingrad.analyzer.context import FileContext
+from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.facts import FUSE_WGRAD_FLAG, MAIN_GRAD
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.rules._common import code_of
 from maingrad.analyzer.rules.base import Example, Rule, Violation
+from maingrad.analyzer.syntax_index import SyntaxIndex
 from maingrad.contracts.report import Severity
 
 _COLLECTIVES = frozenset(
@@ -310,6 +312,47 @@ Megatron-Bridge main (2026-08-22) `peft/utils.py`: the replicated-factor hook of
         ),
     ]
 
+    def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
+        """Over-approximates `check` with `ast` mirrors: a Megatron/TE file (path or any import), and a
+        `X.register_hook(arg)` call inside a function whose receiver may be a parameter (`_ast_is_parameter`:
+        the same forms as `check`, through the bindings and parameters of every enclosing function, a
+        superset of the innermost function's). The hook's body and the fusion-flag tests only remove
+        findings and are left to `check`."""
+        path = index.path.replace("\\", "/")
+        stack = any(f"{s}/" in path for s in _STACKS)
+        calls: list[ast.Call] = []
+        for node in ast.walk(index.tree):
+            if type(node) is ast.Import:
+                stack = stack or any(alias.name.split(".", 1)[0] in _STACKS for alias in node.names)
+            elif type(node) is ast.ImportFrom and node.module is not None:
+                stack = stack or node.module.split(".", 1)[0] in _STACKS
+            elif (
+                type(node) is ast.Call
+                and type(node.func) is ast.Attribute
+                and node.func.attr == "register_hook"
+                and (node.args or node.keywords)
+            ):
+                calls.append(node)
+        if not stack:
+            return False
+        for call in calls:
+            defs = [a for a in index.ancestors(call) if type(a) in (ast.FunctionDef, ast.AsyncFunctionDef)]
+            if not defs:
+                continue
+            bindings: dict[str, list[ast.AST]] = {}
+            params: dict[str, ast.arg] = {}
+            for func in defs:
+                for name, values in _ast_bindings(func).items():
+                    bindings.setdefault(name, []).extend(values)
+                args = func.args  # type: ignore[attr-defined]
+                for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+                    if arg is not None:
+                        params[arg.arg] = arg
+            receiver = call.func.value  # type: ignore[attr-defined]
+            if _ast_is_parameter(receiver, bindings, params, 0):
+                return True
+        return False
+
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         if not _uses_fused_stack(ctx):
             return
@@ -398,3 +441,54 @@ Megatron-Bridge main (2026-08-22) `peft/utils.py`: the replicated-factor hook of
             if isinstance(node, cst.Return) and replaces(node.value):
                 return True
         return isinstance(hook, cst.Lambda) and replaces(hook.body)
+
+
+# `ast` mirrors for the gate ------------------------------------------------------------------------------
+def _ast_bindings(func: ast.AST) -> dict[str, list[ast.AST]]:
+    """`dataflow.local_bindings` plus the walrus bindings `check` adds."""
+    out: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(func):
+        if type(node) is ast.Assign:
+            for target in node.targets:
+                if type(target) is ast.Name:
+                    out.setdefault(target.id, []).append(node.value)
+        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)):
+            target, value = node.target, node.value
+            if isinstance(target, ast.Name) and value is not None:
+                out.setdefault(target.id, []).append(value)
+        elif type(node) in (ast.For, ast.AsyncFor, ast.comprehension):
+            for name in ast.walk(node.target):  # type: ignore[attr-defined]
+                if type(name) is ast.Name:
+                    out.setdefault(name.id, []).append(node.iter)  # type: ignore[attr-defined]
+    return out
+
+
+def _ast_is_parameter(
+    expr: ast.AST, bindings: dict[str, list[ast.AST]], params: dict[str, ast.arg], depth: int
+) -> bool:
+    """`_is_parameter` on `ast`, where a parameter name also follows its bindings (a superset)."""
+    if type(expr) is ast.Attribute:
+        return expr.attr in _PARAM_ATTRS
+    if type(expr) is ast.Call:
+        func = expr.func
+        if type(func) is ast.Name and func.id == "getattr" and len(expr.args) >= 2:
+            key = expr.args[1]
+            return type(key) is ast.Constant and key.value in _PARAM_ATTRS
+        return False
+    if type(expr) in (ast.List, ast.Tuple):
+        return any(_ast_is_parameter(e, bindings, params, depth) for e in expr.elts)  # type: ignore[attr-defined]
+    if type(expr) in (ast.ListComp, ast.GeneratorExp):
+        return _ast_is_parameter(expr.elt, bindings, params, depth)  # type: ignore[attr-defined]
+    if type(expr) is ast.NamedExpr:
+        return _ast_is_parameter(expr.value, bindings, params, depth)
+    if type(expr) is ast.Starred:
+        return _ast_is_parameter(expr.value, bindings, params, depth)
+    if type(expr) is ast.Name:
+        if expr.id in params:
+            arg = params[expr.id]
+            annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+            if "Parameter" in annotation or expr.id in ("weight", "param", "parameter", "bias"):
+                return True
+        if depth < 6:
+            return any(_ast_is_parameter(v, bindings, params, depth + 1) for v in bindings.get(expr.id, []))
+    return False
