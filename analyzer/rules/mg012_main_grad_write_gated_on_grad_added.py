@@ -13,7 +13,8 @@ What is judged: every write into a main_grad buffer (`rules._common.written_buff
 first argument is the buffer), through local aliases (`MainGradScope`), whose value is not a parameter's
 `.grad`, against the tests that decide whether it runs (`dataflow.deciding_tests`). A test that reads the
 flag's value (directly, through `getattr`, or through local names: `dataflow.reads_attribute_value`) is the
-finding; `hasattr(W, "grad_added_to_main_grad")` only asks whether the wrapper supports the flag and is fine.
+finding; so is such a test deciding a call of a same-file function or method (`helper(...)`,
+`self.helper(...)`) that holds a write; `hasattr(W, "grad_added_to_main_grad")` only asks whether the wrapper supports the flag and is fine.
 The grad hook's own `if not p.grad_added_to_main_grad: p.main_grad.add_(p.grad)` moves the parameter's
 autograd gradient and is not a backward's write; so does megatron-core's emulation of that hook inside a
 captured CUDA graph, which adds `torch.autograd.grad(...)` results (followed through local names and loop
@@ -211,6 +212,20 @@ nothing on the 14 code bases of `docs/real-world.md`.
             """,
             line=4,
         ),
+        # Through a same-file helper that writes the buffer.
+        Example(
+            """\
+            class Bridge:
+                def _accumulate(self, weight, wgrad):
+                    weight.main_grad.add_(wgrad)
+
+                def backward_dw(self, weight, wgrad):
+                    if not weight.grad_added_to_main_grad:
+                        self._accumulate(weight, wgrad)
+                    weight.grad_added_to_main_grad = True
+            """,
+            line=7,
+        ),
         # Primus at 2026-08-22 (fixed by #1046): an in-place helper on one architecture, add_ on the others.
         Example(
             """\
@@ -230,71 +245,137 @@ nothing on the 14 code bases of `docs/real-world.md`.
     ]
 
     def gate(self, index: SyntaxIndex, settings: RuleSettings) -> bool:
-        """Over-approximates `check` with the `ast` mirrors below: some candidate write into a buffer that may be
-        a main_grad (`index.writes`, or an in-place helper whose first argument may be one: `spine_is_main_grad`
-        over the file-wide aliases), whose value does not derive from autograd's gradient through the
-        outermost function's bindings (the same predicate and depth as `check`), in an outermost function (or
-        the module) that reads the flag's value (`X.grad_added_to_main_grad` loaded, or a `getattr` of it):
-        every deciding test and every binding `check` consults lies there."""
+        """Over-approximates `check` with the `ast` mirrors below. Writes: `index.writes` and in-place helpers
+        whose target may be a main_grad (`spine_is_main_grad` over the file-wide aliases) and whose value does
+        not derive from autograd's gradient through the outermost function's bindings (the same predicate and
+        depth as `check`). Calls: `name(...)`/`self.name(...)` of a function holding such a write. Either
+        must sit in an outermost function (or the module) that reads the flag's value
+        (`X.grad_added_to_main_grad` loaded, or a `getattr` of it): every deciding test and every binding
+        `check` consults lies there."""
         if GRAD_ADDED_FLAG not in index.source:
             return False
         aliases = gate_aliases(index)
         candidates: list[ast.AST] = [w.node for w in index.writes if spine_is_main_grad(w.spine, aliases)]
+        calls: list[ast.Call] = []
         for node in ast.walk(index.tree):
-            target = _ast_inplace_target(node) if type(node) is ast.Call else None
+            if type(node) is not ast.Call:
+                continue
+            calls.append(node)
+            target = _ast_inplace_target(node)
             if target is not None and spine_is_main_grad(spine_of(target), aliases):
                 candidates.append(node)
+        writes: list[ast.AST] = []
+        writers: set[str] = set()
         for node in candidates:
             outer = _ast_outermost_def(index, node)
-            root: ast.AST = outer if outer is not None else index.tree
-            bindings = _ast_bindings(outer) if outer is not None else {}
             value = _ast_written_value(node)
-            if value is not None and _ast_derives_from(value, bindings, 0):
+            if value is not None and _ast_derives_from(value, _ast_bindings(outer) if outer else {}, 0):
                 continue
-            if _ast_reads_flag(root):
+            writes.append(node)
+            inner = next(
+                (a for a in index.ancestors(node) if type(a) in (ast.FunctionDef, ast.AsyncFunctionDef)), None
+            )
+            if inner is not None:
+                writers.add(inner.name)  # type: ignore[attr-defined]
+        sites = writes + [c for c in calls if _ast_callee_name(c) in writers]
+        for node in sites:
+            outer = _ast_outermost_def(index, node)
+            if _ast_reads_flag(outer if outer is not None else index.tree):
                 return True
         return False
 
     def check(self, ctx: FileContext) -> Iterator[Violation]:
         if GRAD_ADDED_FLAG not in ctx.source:
             return
-        scopes: dict[cst.FunctionDef | None, tuple[MainGradScope, dict[str, list[cst.BaseExpression]]]] = {}
+        writes: list[tuple[cst.CSTNode, cst.BaseExpression]] = []
+        writers: set[str] = set()  # functions that write a computed wgrad into main_grad
         for node in ctx.nodes(cst.Call, cst.Dict, cst.AugAssign):
             target = _written(node)
             if target is None:
                 continue
             func = next((a for a in ctx.ancestors(node) if isinstance(a, cst.FunctionDef)), None)
-            if func not in scopes:
-                outer = func
-                for a in ctx.ancestors(func) if func is not None else ():
-                    if isinstance(a, cst.FunctionDef):
-                        outer = a
-                scopes[func] = (MainGradScope.of(ctx, func), dataflow.local_bindings(outer))
-            scope, bindings = scopes[func]
+            scope = self._scope(ctx, func)
             if not scope.is_main_grad(target):
                 continue
             value = _written_value(node)
-            if value is not None and dataflow.derives_from(value, _is_autograd_gradient, bindings):
+            if value is not None and dataflow.derives_from(
+                value, _is_autograd_gradient, self._bindings(ctx, node)
+            ):
                 continue
-            test = next(
-                (
-                    t
-                    for t in dataflow.deciding_tests(ctx, node)
-                    if dataflow.reads_attribute_value(t, GRAD_ADDED_FLAG, bindings)
-                ),
-                None,
-            )
-            if test is None:
+            writes.append((node, target))
+            if func is not None:
+                writers.add(func.name.value)
+        for node, target in writes:
+            test = self._flag_test(ctx, node)
+            if test is not None:
+                yield Violation(
+                    node=node,
+                    message=(
+                        f"this write into `{code_of(target)}` runs only when `{code_of(test)}` allows it, a test "
+                        "of `grad_added_to_main_grad`: the flag is per iteration (cleared by the wrapper's "
+                        "zero_grad_buffer, set by the first backward), so every other micro-batch's gradient is "
+                        "dropped; write on every micro-batch and set the flag afterwards"
+                    ),
+                )
+        written = {id(node) for node, _ in writes}
+        for call in ctx.nodes(cst.Call):
+            name = _callee_name(call)
+            if name is None or name not in writers or id(call) in written:
                 continue
-            yield Violation(
-                node=node,
-                message=(
-                    f"this write into `{code_of(target)}` runs only when `{code_of(test)}` allows it, a test of "
-                    "`grad_added_to_main_grad`: the flag is per iteration (cleared by the wrapper's zero_grad_buffer, "
-                    "set by the first backward), so every other micro-batch's gradient is dropped; write on every "
-                    "micro-batch and set the flag afterwards"
-                ),
-            )
+            if any(isinstance(a, cst.FunctionDef) and a.name.value == name for a in ctx.ancestors(call)):
+                continue  # a recursive call inside the writer itself
+            test = self._flag_test(ctx, call)
+            if test is not None:
+                yield Violation(
+                    node=call,
+                    message=(
+                        f"`{name}` writes a wgrad into main_grad, and this call runs only when `{code_of(test)}` "
+                        "allows it, a test of `grad_added_to_main_grad`: the flag is per iteration, so every other "
+                        "micro-batch's gradient is dropped; call it on every micro-batch and set the flag afterwards"
+                    ),
+                )
+
+    @staticmethod
+    def _scope(ctx: FileContext, func: cst.FunctionDef | None) -> MainGradScope:
+        key = ("MG012.scope", id(func))
+        if key not in ctx.memo:
+            ctx.memo[key] = MainGradScope.of(ctx, func)
+        scope: MainGradScope = ctx.memo[key]
+        return scope
+
+    @staticmethod
+    def _bindings(ctx: FileContext, node: cst.CSTNode) -> dict[str, list[cst.BaseExpression]]:
+        """The bindings of the outermost function around `node` (empty at module level)."""
+        outer = None
+        for ancestor in ctx.ancestors(node):
+            if isinstance(ancestor, cst.FunctionDef):
+                outer = ancestor
+        key = ("MG012.bindings", id(outer))
+        if key not in ctx.memo:
+            ctx.memo[key] = dataflow.local_bindings(outer)
+        bindings: dict[str, list[cst.BaseExpression]] = ctx.memo[key]
+        return bindings
+
+    def _flag_test(self, ctx: FileContext, node: cst.CSTNode) -> cst.BaseExpression | None:
+        bindings = self._bindings(ctx, node)
+        return next(
+            (
+                t
+                for t in dataflow.deciding_tests(ctx, node)
+                if dataflow.reads_attribute_value(t, GRAD_ADDED_FLAG, bindings)
+            ),
+            None,
+        )
+
+
+def _callee_name(call: cst.Call) -> str | None:
+    """`helper(...)` or `self.helper(...)`: a call of a same-file function or method by name."""
+    func = call.func
+    if isinstance(func, cst.Name):
+        return func.value
+    if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
+        return func.attr.value
+    return None
 
 
 # `ast` mirrors of the check's helpers, for the gate ------------------------------------------------------
@@ -374,3 +455,12 @@ def _ast_reads_flag(root: ast.AST) -> bool:
         ):
             return True
     return False
+
+
+def _ast_callee_name(call: ast.Call) -> str | None:
+    func = call.func
+    if type(func) is ast.Name:
+        return func.id
+    if type(func) is ast.Attribute and type(func.value) is ast.Name and func.value.id == "self":
+        return func.attr
+    return None
