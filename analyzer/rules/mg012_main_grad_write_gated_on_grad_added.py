@@ -14,7 +14,8 @@ first argument is the buffer), through local aliases (`MainGradScope`), whose va
 `.grad`, against the tests that decide whether it runs (`dataflow.deciding_tests`). A test that reads the
 flag's value (directly, through `getattr`, or through local names: `dataflow.reads_attribute_value`) is the
 finding; so is such a test deciding a call of a same-file function or method (`helper(...)`,
-`self.helper(...)`) that holds a write; `hasattr(W, "grad_added_to_main_grad")` only asks whether the wrapper supports the flag and is fine.
+`self.helper(...)`) that holds a write. `hasattr(W, "grad_added_to_main_grad")` only asks whether the wrapper
+supports the flag and is fine.
 The grad hook's own `if not p.grad_added_to_main_grad: p.main_grad.add_(p.grad)` moves the parameter's
 autograd gradient and is not a backward's write; so does megatron-core's emulation of that hook inside a
 captured CUDA graph, which adds `torch.autograd.grad(...)` results (followed through local names and loop

@@ -1,8 +1,8 @@
 """MG013: a gradient hook on a parameter (`W.register_hook(fn)`) that reduces or rewrites the gradient, in
 Megatron / Transformer Engine code, with no handling of `main_grad`.
 
-Under fused weight-gradient accumulation (Megatron's `gradient_accumulation_fusion`, on by default where the
-kernels are available; TE's `fuse_wgrad_accumulation`) a linear layer's backward writes the weight gradient
+Under fused weight-gradient accumulation (Megatron's `gradient_accumulation_fusion`: off in megatron-core's
+`ModelParallelConfig`, on by default in Megatron-LM's training arguments; TE's `fuse_wgrad_accumulation`) a linear layer's backward writes the weight gradient
 straight into `W.main_grad` and hands autograd a dummy tensor (`get_dummy_wgrad`). A tensor hook on `W` then
 runs on the dummy: an all-reduce that keeps replicated factors in sync synchronises nothing, and the optimizer,
 which reads `main_grad`, steps with rank-local gradients (radixark/miles #2723: Megatron-Bridge's shared-outer
@@ -123,8 +123,8 @@ Finds a tensor gradient hook registered on a parameter (`W.register_hook(fn)`, `
 with `main_grad`.
 
 ## Why is this bad?
-With fused weight-gradient accumulation (Megatron's `gradient_accumulation_fusion`, on by default where the
-fused kernels exist; TE's `fuse_wgrad_accumulation`), the layer's backward writes the weight gradient straight
+With fused weight-gradient accumulation (Megatron's `gradient_accumulation_fusion`, off in megatron-core's
+`ModelParallelConfig`, on by default in Megatron-LM's training arguments; TE's `fuse_wgrad_accumulation`), the layer's backward writes the weight gradient straight
 into `W.main_grad` and returns a dummy tensor to autograd. The hook runs on that dummy: the all-reduce that
 should keep a replicated parameter in sync reduces nothing the optimizer reads, and the replicas drift apart
 silently (radixark/miles #2723: Megatron-Bridge's shared-outer LoRA factor split into eight TP versions after
