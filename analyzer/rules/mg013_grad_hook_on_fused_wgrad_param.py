@@ -124,8 +124,9 @@ with `main_grad`.
 
 ## Why is this bad?
 With fused weight-gradient accumulation (Megatron's `gradient_accumulation_fusion`, off in megatron-core's
-`ModelParallelConfig`, on by default in Megatron-LM's training arguments; TE's `fuse_wgrad_accumulation`), the layer's backward writes the weight gradient straight
-into `W.main_grad` and returns a dummy tensor to autograd. The hook runs on that dummy: the all-reduce that
+`ModelParallelConfig`, on by default in Megatron-LM's training arguments; TE's `fuse_wgrad_accumulation`),
+the layer's backward writes the weight gradient straight into `W.main_grad` and returns a dummy tensor to
+autograd. The hook runs on that dummy: the all-reduce that
 should keep a replicated parameter in sync reduces nothing the optimizer reads, and the replicas drift apart
 silently (radixark/miles #2723: Megatron-Bridge's shared-outer LoRA factor split into eight TP versions after
 the second update). Tensor hooks never see the real gradient on the fused path.
