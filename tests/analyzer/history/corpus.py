@@ -175,9 +175,9 @@ def table(outcomes: list[Outcome]) -> str:
     )
     lines += [
         "",
-        "Mechanisms no rule can see (only preflight, which runs the model, does):",
+        "Mechanisms no rule can see: only a run of the model can (preflight's domain; whether it catches each is not measured here):",
         "",
-        "| mechanism | pairs (held out) | why only preflight |",
+        "| mechanism | pairs (held out) | why only a run |",
         "|---|---:|---|",
     ]
     for mech in sorted(m for m, os in by_mech.items() if os[0].pair.expect == "none"):
