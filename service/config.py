@@ -77,10 +77,6 @@ class Settings(BaseSettings):
             return self.secret.get_secret_value().encode("utf-8")
         return load_or_create_secret(Path(self.secret_file)).encode("utf-8")
 
-    @property
-    def is_sqlite(self) -> bool:
-        return self.database_url.startswith("sqlite")
-
 
 def load_or_create_secret(path: Path) -> str:
     """Read the secret file, or create it atomically (several workers may start at once: the first link
