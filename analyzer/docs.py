@@ -82,7 +82,7 @@ def write_pages(directory: Path) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python3 -m maingrad.analyzer.docs", description=__doc__.splitlines()[0]
+        prog="python3 -m maingrad.analyzer.docs", description=(__doc__ or "").splitlines()[0]
     )
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", metavar="DIR", type=Path, help="write the pages into DIR")

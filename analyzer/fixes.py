@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import libcst as cst
 
@@ -14,7 +15,7 @@ class _Replacer(cst.CSTTransformer):
         super().__init__()
         self.replacements = replacements
 
-    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):
+    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode) -> Any:  # a node, or a sentinel
         return self.replacements.get(original_node, updated_node)
 
 
