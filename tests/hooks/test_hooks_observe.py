@@ -263,11 +263,13 @@ def _reaches(start: object, target: object, limit: int = 100_000) -> bool:
     """Whether `target` is reachable from `start` through our own objects and plain containers."""
     from collections import deque as _deque
 
+    from maingrad.hooks import instrument
     from maingrad.hooks.api import Handle
-    from maingrad.hooks.instrument import Runtime, Site
     from maingrad.hooks.records import RecordRing
 
-    follow = (Handle, Runtime, Site, RecordRing, dict, list, tuple, set, _deque)
+    pieces = (instrument.Slots, instrument.Route, instrument.BufferCache, instrument.ContainerState)
+    follow = (Handle, instrument.Runtime, instrument.Site, *pieces, instrument.Counters, RecordRing)
+    follow += (dict, list, tuple, set, _deque)
     seen, todo = set(), [start]
     while todo and len(seen) < limit:
         obj = todo.pop()
