@@ -25,7 +25,6 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
 from operator import and_, attrgetter, is_, itemgetter
@@ -380,17 +379,15 @@ class Slots:
         self.owner1 = self.getter1 = None
 
 
-@dataclass(slots=True)
 class Counters:
     """What the summary reports per module (`Site.counts()`)."""
 
-    fwd_calls: int = 0
-    bwd_calls: int = 0
-    records: int = 0
-    exposed: int = 0
-    raised: int = 0
-    errors: int = 0
-    anomalies: dict[str, int] = field(default_factory=dict[str, int])
+    __slots__ = ("fwd_calls", "bwd_calls", "records", "exposed", "raised", "errors", "anomalies")
+
+    def __init__(self) -> None:
+        self.fwd_calls = self.bwd_calls = self.records = 0
+        self.exposed = self.raised = self.errors = 0
+        self.anomalies: dict[str, int] = {}
 
     def flag(self, anomaly: str, times: int = 1) -> None:
         self.anomalies[anomaly] = self.anomalies.get(anomaly, 0) + times
