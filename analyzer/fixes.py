@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import libcst as cst
 
@@ -15,7 +14,7 @@ class _Replacer(cst.CSTTransformer):
         super().__init__()
         self.replacements = replacements
 
-    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode) -> Any:  # a node, or a sentinel
+    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):  # pyright: ignore[reportIncompatibleMethodOverride]
         return self.replacements.get(original_node, updated_node)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 from maingrad.contracts.anomalies import ANOMALIES
 
@@ -85,8 +85,7 @@ def validate(record: Any) -> list[str]:
     """Problems of one record against the schema (empty when valid). Used by tests, the CLI and sinks' users."""
     if not isinstance(record, dict):
         return ["record is not an object"]
-    record = cast("dict[str, Any]", record)  # JSON object keys are strings
-    problems: list[str] = []
+    problems = []
     keys = list(record)
     if set(keys) != set(FIELDS):
         missing = [f for f in FIELDS if f not in record]
@@ -114,7 +113,7 @@ def validate(record: Any) -> list[str]:
     if anomaly is not None and anomaly not in ANOMALIES:
         problems.append(f"unknown anomaly {anomaly!r}")
     shape = record.get("shape")
-    if isinstance(shape, list) and not all(type(d) is int for d in cast("list[object]", shape)):
+    if isinstance(shape, list) and not all(type(d) is int for d in shape):
         problems.append("shape has non-int entries")
     expected_id = f"{record.get('run')}:{record.get('rank')}:"
     if isinstance(record.get("id"), str) and not record["id"].startswith(expected_id):
@@ -122,7 +121,7 @@ def validate(record: Any) -> list[str]:
     return problems
 
 
-def iter_jsonl(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+def iter_jsonl(lines: Iterable[str]) -> Iterator[dict]:
     """Records from NDJSON lines (blank lines skipped); raises ValueError naming the bad line."""
     for number, line in enumerate(lines, 1):
         text = line.strip()

@@ -25,7 +25,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, cast
+from typing import Any
 
 REPORT_VERSION = 1
 TOOL_NAME = "maingrad"
@@ -206,9 +206,9 @@ class Report:
     root: str = "."
     files_scanned: int = 0
     files_parsed: int = 0
-    parse_errors: list[ParseError] = field(default_factory=list[ParseError])
-    findings: list[Finding] = field(default_factory=list[Finding])
-    rules: list[RuleInfo] = field(default_factory=list[RuleInfo])
+    parse_errors: list[ParseError] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    rules: list[RuleInfo] = field(default_factory=list)
     duration_s: float = 0.0
 
     @property
@@ -235,12 +235,13 @@ class Report:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
         """Parse a version-1 report; raises ValueError/KeyError/TypeError on malformed input."""
-        data = _json_object(data, "report must be a JSON object")  # callers pass parsed JSON: check
+        if not isinstance(data, dict):
+            raise ValueError("report must be a JSON object")
         version = data.get("version")
         if version != REPORT_VERSION:
             raise ValueError(f"unsupported report version {version!r} (expected {REPORT_VERSION})")
-        tool = _json_object(data.get("tool") or {}, "report.tool.name must be 'maingrad'")
-        if tool.get("name") != TOOL_NAME:
+        tool = data.get("tool") or {}
+        if not isinstance(tool, dict) or tool.get("name") != TOOL_NAME:
             raise ValueError("report.tool.name must be 'maingrad'")
         return cls(
             tool_version=str(tool.get("version", "")),
@@ -274,10 +275,3 @@ def fingerprint(rule: str, path: str, context: str, occurrence: int = 0) -> str:
         digest.update(part.encode("utf-8"))
         digest.update(b"\0")
     return digest.hexdigest()[:32]
-
-
-def _json_object(value: object, error: str) -> dict[str, Any]:
-    """`value` as a JSON object (string keys, as `json.loads` makes them), else ValueError(`error`)."""
-    if not isinstance(value, dict):
-        raise ValueError(error)
-    return cast("dict[str, Any]", value)

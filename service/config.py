@@ -27,48 +27,48 @@ class Settings(BaseSettings):
 
     # Work per request is bounded before it is done (each cap answers 413/422 naming its limit); with the
     # defaults one request stays far below 512 MB of server memory (benchmarks/service.py --memory measures it).
-    max_body_bytes: int = Field(default=10 * MiB, ge=1024)
+    max_body_bytes: int = Field(10 * MiB, ge=1024)
     # Inflating stops at this size, and a report is parsed only when it counts at most max_json_values values.
-    max_decompressed_bytes: int = Field(default=32 * MiB, ge=1024)
-    max_json_values: int = Field(default=2_000_000, ge=1000)
-    max_runs: int = Field(default=20, ge=1)
-    max_results_per_run: int = Field(default=25_000, ge=1)
+    max_decompressed_bytes: int = Field(32 * MiB, ge=1024)
+    max_json_values: int = Field(2_000_000, ge=1000)
+    max_runs: int = Field(20, ge=1)
+    max_results_per_run: int = Field(25_000, ge=1)
     # Per-field caps of what is stored (a SARIF message after template expansion counts as a message).
-    max_message_chars: int = Field(default=8_192, ge=64)
-    max_snippet_chars: int = Field(default=8_192, ge=64)
-    max_path_chars: int = Field(default=4_096, ge=64)
+    max_message_chars: int = Field(8_192, ge=64)
+    max_snippet_chars: int = Field(8_192, ge=64)
+    max_path_chars: int = Field(4_096, ge=64)
     # Message and snippet text stored for one analysis, over all its results.
-    max_analysis_text_chars: int = Field(default=32 * MiB, ge=1024)
-    max_records_body_bytes: int = Field(default=32 * MiB, ge=1024)
-    max_records_decompressed_bytes: int = Field(default=64 * MiB, ge=1024)
-    max_records_per_batch: int = Field(default=10_000, ge=1)
-    max_record_line_bytes: int = Field(default=64 * 1024, ge=1024)
-    max_record_string_chars: int = Field(default=4_096, ge=64)
-    max_gate_findings: int = Field(default=1_000, ge=1)
+    max_analysis_text_chars: int = Field(32 * MiB, ge=1024)
+    max_records_body_bytes: int = Field(32 * MiB, ge=1024)
+    max_records_decompressed_bytes: int = Field(64 * MiB, ge=1024)
+    max_records_per_batch: int = Field(10_000, ge=1)
+    max_record_line_bytes: int = Field(64 * 1024, ge=1024)
+    max_record_string_chars: int = Field(4_096, ge=64)
+    max_gate_findings: int = Field(1_000, ge=1)
     # Gate answers kept per process, reused only while their inputs are unchanged (0: never reuse).
-    gate_cache_size: int = Field(default=512, ge=0)
+    gate_cache_size: int = Field(512, ge=0)
 
-    gate_fail_severity: str = Field(default="error", pattern="^(info|warning|error)$")
+    gate_fail_severity: str = Field("error", pattern="^(info|warning|error)$")
     gate_fail_on_runtime_anomalies: bool = True
     # Lines within which a finding with the same rule, path and message counts as the same finding.
-    match_line_window: int = Field(default=3, ge=0)
+    match_line_window: int = Field(3, ge=0)
 
     # Requests handled at once by one worker; past it the worker answers 503 with Retry-After at once
     # instead of queueing requests for seconds (health checks are always answered). 0: no limit.
-    max_concurrent_requests: int = Field(default=32, ge=0)
+    max_concurrent_requests: int = Field(32, ge=0)
     # Retry-After (seconds) on 503 answers: load shed, database unavailable.
-    retry_after_s: int = Field(default=2, ge=1, le=3600)
+    retry_after_s: int = Field(2, ge=1, le=3600)
     # PostgreSQL: give up connecting after this long (the answer is then a 503, not a hung request).
-    db_connect_timeout_s: int = Field(default=5, ge=1, le=300)
+    db_connect_timeout_s: int = Field(5, ge=1, le=300)
 
     public_dashboard: bool = False
-    sqlite_busy_timeout_ms: int = Field(default=30_000, ge=0)
-    db_pool_size: int = Field(default=10, ge=1)
+    sqlite_busy_timeout_ms: int = Field(30_000, ge=0)
+    db_pool_size: int = Field(10, ge=1)
     db_pool_pre_ping: bool = False
-    idempotency_ttl_hours: int = Field(default=24, ge=1)
+    idempotency_ttl_hours: int = Field(24, ge=1)
     log_level: str = "info"
     # sys.setswitchinterval for the server process (see app.lifespan).
-    gil_switch_interval_ms: float = Field(default=1.0, gt=0, le=100)
+    gil_switch_interval_ms: float = Field(1.0, gt=0, le=100)
 
     @cached_property
     def hmac_key(self) -> bytes:
@@ -76,6 +76,10 @@ class Settings(BaseSettings):
         if self.secret is not None and self.secret.get_secret_value():
             return self.secret.get_secret_value().encode("utf-8")
         return load_or_create_secret(Path(self.secret_file)).encode("utf-8")
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
 
 
 def load_or_create_secret(path: Path) -> str:
