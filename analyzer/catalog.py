@@ -115,11 +115,6 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-def rule_ids_on_disk() -> tuple[str, ...]:
-    """Rule ids from module names (`mg001_x.py` -> MG001), without importing them."""
-    return tuple(sorted(p.name[:5].upper() for p in (PACKAGE_DIR / "rules").glob("mg[0-9][0-9][0-9]_*.py")))
-
-
 # Rules registered at run time (plugins, and tests that define their own rules) on top of the built-in
 # `analyzer/rules/mgNNN_*.py` modules. Worker processes started by fork inherit them.
 _EXTRA_RULES: dict[str, type[Rule]] = {}

@@ -15,7 +15,6 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -179,13 +178,6 @@ def _add_scan_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-respect-gitignore", action="store_true", help="scan files that .gitignore excludes"
     )
     parser.add_argument("--no-progress", action="store_true", help="never show a progress bar")
-
-
-@dataclass
-class _Session:
-    config: Config
-    catalog: tuple[Any, ...]
-    cache_dir: Path | None
 
 
 def _error(message: str) -> int:

@@ -19,7 +19,7 @@ from maingrad.contracts.report import Severity
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+    import tomli as tomllib  # pyright: ignore[reportMissingImports] - installed on 3.10 only
 
 CONFIG_FILE = "pyproject.toml"
 _KEYS = {

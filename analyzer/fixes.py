@@ -14,7 +14,7 @@ class _Replacer(cst.CSTTransformer):
         super().__init__()
         self.replacements = replacements
 
-    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):
+    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):  # pyright: ignore[reportIncompatibleMethodOverride]
         return self.replacements.get(original_node, updated_node)
 
 

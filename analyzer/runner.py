@@ -123,18 +123,17 @@ def analyze_text(relpath: str, text: str, rule_ids: tuple[str, ...]) -> dict[str
         return _analyze_text(relpath, text, rule_ids)
 
 
+def _empty_outcome() -> dict[str, Any]:
+    """One file's outcome before anything is found: what a worker sends back for each file."""
+    return {"parsed": False, "findings": [], "parse_error": None, "internal": [], "suppressed": 0}
+
+
 def _analyze_text(relpath: str, text: str, rule_ids: tuple[str, ...]) -> dict[str, Any]:
     from maingrad.analyzer.context import RuleSettings
     from maingrad.analyzer.engine import analyze_source
 
     settings: ScanSettings = _STATE["settings"]
-    outcome: dict[str, Any] = {
-        "parsed": False,
-        "findings": [],
-        "parse_error": None,
-        "internal": [],
-        "suppressed": 0,
-    }
+    outcome = _empty_outcome()
     try:
         result = analyze_source(
             text,
@@ -363,13 +362,7 @@ def _unparsed_outcome(
     relpath: str, text: str, ids: tuple[str, ...], settings: ScanSettings
 ) -> dict[str, Any]:
     """A file no selected rule needs to parse: only its suppression comments can produce findings."""
-    outcome: dict[str, Any] = {
-        "parsed": False,
-        "findings": [],
-        "parse_error": None,
-        "internal": [],
-        "suppressed": 0,
-    }
+    outcome = _empty_outcome()
     if settings.warn_unused_ignores and MARKER in text:
         findings, _ = _suppress(relpath, text, [], {}, ids)
         outcome["findings"] = findings

@@ -6,7 +6,7 @@ constructs a new dataclass per node even for read-only visitors), which costs ab
 only read the tree, so these helpers walk the dataclass fields directly, in the same order libcst visits
 them (source order), without constructing anything.
 
-`walk`, `find`, `find_own`, `parent_map` and `index` also skip trivia: whitespace, newlines, comments,
+`walk`, `find`, `find_own` and `index` also skip trivia: whitespace, newlines, comments,
 blank lines and punctuation tokens (`lpar`/`rpar`, commas, dots, colons, `=`...), which are about two
 thirds of all nodes and never what a rule looks for. `children` and `visit` keep every node, exactly as
 libcst's `node.children` and `node.visit(visitor)` do.
@@ -173,12 +173,6 @@ def index(root: cst.CSTNode) -> tuple[list[cst.CSTNode], dict[int, cst.CSTNode]]
         kids.reverse()
         stack.extend(kids)
     return order, parents
-
-
-def parent_map(root: cst.CSTNode) -> dict[cst.CSTNode, cst.CSTNode]:
-    """Parent of every non-trivia node under `root`."""
-    order, parents = index(root)
-    return {node: parents[id(node)] for node in order if id(node) in parents}
 
 
 def visit(root: cst.CSTNode, visitor: cst.CSTVisitor) -> cst.CSTVisitor:

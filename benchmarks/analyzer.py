@@ -13,7 +13,7 @@ interleaved runs (the machine is shared; the minimum is the least disturbed run)
   the floor;
 - Fixit 2 with a one-visitor rule (a trivial `visit_Attribute`), written to a temporary directory.
 
-Targets (issue 2, acceptance 6): cold <= 1.5x the floor, warm <= 0.25 s, Fixit >= 20x slower than cold.
+Targets: cold <= 1.5x the floor, warm <= 0.25 s, Fixit >= 20x slower than cold.
 
 Large files (`--large`, also run by default; `--large-only` runs just this section): time and peak RSS of
 `maingrad check` on two generated files, each process measured alone (peak RSS from wait4), against floors

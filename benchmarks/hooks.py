@@ -173,7 +173,7 @@ def sharded_te_modules(repeat: int) -> list[dict]:
                 (hook,) = module._forward_pre_hooks.values()
                 (site,) = handle._sites
                 hook(module, None)
-                site.lean = site.lean and label == "fast"  # the lean branch inlines _fast_rows
+                site.route.lean = site.route.lean and label == "fast"  # the lean branch inlines _fast_rows
                 pending = (1, True, None)
                 fwd = (
                     min(timeit.repeat(lambda h=hook, m=module: h(m, None), number=5000, repeat=repeat)) / 5000
@@ -258,7 +258,7 @@ def mlp_share(repeat: int, steps: int) -> dict:
     calls = {}
     for label, handle in (("fix", fix_handle), ("observe", obs_handle)):
         s = handle._sites[0]
-        module = s.late_ref()
+        module = s.container.late_ref()
         fwd = min(timeit.repeat(lambda s=s, m=module: s.pre_forward(m, None), number=50, repeat=repeat)) / 50
         bwd = min(timeit.repeat(lambda s=s: s._inspect(1, 0, True, None), number=50, repeat=repeat)) / 50
         calls[label] = fwd + bwd
@@ -267,7 +267,7 @@ def mlp_share(repeat: int, steps: int) -> dict:
     base_s = med(base)
     result = {
         "experts": experts,
-        "params_covered": site.nslots,
+        "params_covered": site.slots.n,
         "tokens": tokens,
         "step_ms_no_hooks": base_s * 1e3,
         "step_ms_fix": med(fix) * 1e3,

@@ -72,7 +72,7 @@ class Handle:
         self._torch_handles = torch_handles
         self._sinks = sinks
         self._modules = [s.path for s in sites]
-        self._params = [list(s.relnames) for s in sites]
+        self._params = [list(s.slots.relnames) for s in sites]
         self._kinds = [s.kind for s in sites]
         self._instrumented: list[weakref.ref] = []
         self._final: Summary | None = None

@@ -150,12 +150,6 @@ def _direct_slots(owner: torch.nn.Module, prefix: str, *, all_wgrad: bool = Fals
     return slots
 
 
-def _relative(path: str, base: str) -> str:
-    if not base:
-        return path
-    return path[len(base) + 1 :] if path.startswith(base + ".") else path
-
-
 def _container_spec(module: torch.nn.Module, path: str) -> TargetSpec | None:
     slots: list[Slot] = []
     for subpath, sub in module.named_modules():

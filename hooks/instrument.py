@@ -29,7 +29,7 @@ from functools import partial
 from itertools import repeat
 from operator import and_, attrgetter, is_, itemgetter
 from time import time_ns
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -103,6 +103,16 @@ def _refreshable(param: Any) -> bool:
 
 def _is_distributed(param: Any) -> bool:
     return hasattr(param, "_local_tensor") or hasattr(param, "to_local")
+
+
+def _flags_or_none(found: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """overwrite_main_grad and grad_added_to_main_grad of each parameter, None where absent."""
+    return list(map(getattr, found, _R_OW, _R_NONE)), list(map(getattr, found, _R_GAM, _R_NONE))
+
+
+def _meta(ptr: int, mg: Any) -> tuple:
+    """A tensor buffer's (data_ptr, dtype, shape, device), laid out as BufferMeta."""
+    return (ptr, mg.dtype, mg.shape, mg.device)
 
 
 def _fwd_ptr(fwd: Sequence[Any] | None, slot: int) -> int:
@@ -207,8 +217,8 @@ class Runtime:
         try:
             self.internal_errors += 1
             self.last_error = f"{site.path} {PHASES[phase]}: {type(exc).__name__}: {exc}"[:500]
-            site.errors += 1
-            site.anomalies[HOOK_ERROR] = site.anomalies.get(HOOK_ERROR, 0) + 1
+            site.counters.errors += 1
+            site.counters.flag(HOOK_ERROR)
             row = (
                 ErrorRow, time_ns(), self.step, mb, phase, site.index, slot,
                 False, None, None, None, None, None, None, None, False, A_ERROR, HOOK_ERROR,
@@ -249,60 +259,14 @@ def _released() -> Sequence[Any]:
     raise ReferenceError("maingrad hooks removed")
 
 
-class Site:
-    """Hooks of one instrumented module and the per-module counters the summary reports."""
+class Slots:
+    """What a site covers, fixed at install: the covered parameters grouped by owner module in discovery order
+    (the records' slot order), with the getters that look them up afresh at every call (Megatron-FSDP swaps
+    the Parameter objects). The only piece that holds the model: `release()` drops it."""
 
-    __slots__ = (
-        "rt",
-        "index",
-        "path",
-        "kind",
-        "strict",
-        "groups",
-        "fast",
-        "takers",
-        "lookup",
-        "owner1",
-        "getter1",
-        "every",
-        "vectorised",
-        "plain_fwd",
-        "lean",
-        "flag_reads",
-        "wgrads",
-        "columns",
-        "nslots",
-        "relnames",
-        "fwd_calls",
-        "bwd_calls",
-        "records",
-        "exposed",
-        "raised",
-        "errors",
-        "anomalies",
-        "mb",
-        "last_bwd_ptr",
-        "fwd_rows",
-        "bwd_rows",
-        "pending",
-        "order_checked",
-        "checked_ptr",
-        "buffer_meta",
-        "late_handle",
-        "late_ref",
-        "pre_ptrs",
-        "exact_overwrite",
-        "relax_once",
-        "__weakref__",
-    )
+    __slots__ = ("groups", "fast", "takers", "lookup", "owner1", "getter1", "wgrads", "relnames", "n")
 
-    def __init__(self, rt: Runtime, index: int, spec: TargetSpec) -> None:
-        self.rt = rt
-        self.index = index
-        self.path = spec.path
-        self.kind = spec.kind
-        self.strict = spec.strict_forward
-        # Group slots by owner module, keeping discovery order (records' param order).
+    def __init__(self, spec: TargetSpec) -> None:
         owners: list[torch.nn.Module] = []
         names: dict[int, list[str]] = {}
         wgrads: dict[int, list[bool]] = {}
@@ -326,72 +290,233 @@ class Site:
             group = (o, itemgetter(*names[id(o)]), n == 1, tuple(names[id(o)]), tuple(wgrads[id(o)]))
             groups.append((*group, tuple(range(base, base + n))))
             base += n
-        self.groups = tuple(groups)
+        # (owner, getter, single, names, wgrads, slot indices) per owner: the general path's view
+        self.groups: tuple = tuple(groups)
         # fix mode's fast path walks an owner's parameter dict directly when every entry is covered (a TE
         # GroupedLinear's weights): no per-name lookups. `whole` is that entry count (0: look names up).
-        self.fast = tuple(
+        self.fast: tuple = tuple(
             (o, getter, single, len(names_) if set(names_) == set(o._parameters) else 0)
             for o, getter, single, names_, *_ in self.groups
         )
         # The fast paths' view of the same slots: (owner, getter, single) per group, flat wgrad flags.
-        self.takers = tuple((o, getter, single) for o, getter, single, *_ in self.groups)
-        self.lookup = _make_lookup(self.takers)
+        self.takers: tuple = tuple((o, getter, single) for o, getter, single, *_ in self.groups)
+        self.lookup: Callable[[], Sequence[Any]] = _make_lookup(self.takers)
         # The usual small site, one owner with several covered names, is looked up inline (no call).
         one = len(self.takers) == 1 and not self.takers[0][2]
         self.owner1: Any = self.takers[0][0] if one else None
-        self.getter1 = self.takers[0][1] if one else None
-        self.wgrads = tuple(w for *_, wgrads_, _ in self.groups for w in wgrads_)
-        self.nslots = len(self.relnames)
-        self.every = rt.sample_every
-        self.vectorised = self.nslots >= VECTORISED_MIN_PARAMS
-        # small sites' hooks call the per-parameter fast path directly (forward: unless forcing the flag)
-        self.plain_fwd = not self.vectorised and not rt.force_true
-        # Per-parameter fast paths read overwrite_main_grad / grad_added_to_main_grad / __fsdp_param__ as plain
-        # attributes (faster than getattr with a default, hasattr) until a parameter with a main_grad turns out
-        # to lack one (DDP has neither the overwrite flag nor __fsdp_param__): then getattr/hasattr for good.
-        # Only the speed differs: an absent flag reads as None, an absent __fsdp_param__ as False, either way.
-        self.flag_reads = True
-        # The hook's shortest way (see pre_forward): set once the first call has checked the hook order.
-        self.lean = False
-        # The columns (data_ptrs, dtypes, shapes, devices, ows, gams, fsdps) the vectorised path last pushed. A
-        # call that finds the same buffers reuses their shape and device lists (see buffer_meta); each column
-        # equal to the last call's is pushed as that same list, so a steady call keeps one entry alive in the
-        # ring instead of five new lists and 128 ints (memory the next calls would touch cold).
-        self.columns: tuple = _NO_COLUMNS
-        self.checked_ptr = [0] * self.nslots  # data_ptr whose element count was last found right, per slot
+        self.getter1: Any = self.takers[0][1] if one else None
+        self.wgrads: tuple[bool, ...] = tuple(w for *_, wgrads_, _ in self.groups for w in wgrads_)
+        self.n = len(self.relnames)
+
+    def current_ptrs(self) -> list[int]:
+        """main_grad's data_ptr per slot (0 where it is not a tensor or the parameter is gone)."""
+        try:
+            return list(map(_data_ptr, map(_main_grad_of, self.lookup())))
+        except Exception:  # noqa: BLE001 - one absent, None or not a tensor: look closer
+            pass
+        try:
+            mgs = list(map(getattr, self.lookup(), _R_MAIN_GRAD, _R_NONE))
+        except KeyError:
+            mgs = [
+                getattr(params.get(name), "main_grad", None)
+                for owner, _, _, names, *_ in self.groups
+                for params in (owner._parameters,)
+                for name in names
+            ]
+        if _TENSOR_ONLY.issuperset(map(type, mgs)):
+            return list(map(_data_ptr, mgs))
+        return [mg.data_ptr() if isinstance(mg, _Tensor) else 0 for mg in mgs]
+
+    def all_present(self, strict: bool) -> bool:
+        """Fast path of fix mode: nothing to expose. Strict kinds need a main_grad on every parameter; the
+        others only where nothing refreshes it in backward (no `__fsdp_param__`).
+
+        Plain attribute reads (faster than getattr with a default); an absent main_grad (or parameter)
+        raises AttributeError, and `_all_present_slow` answers with getattr, as before.
+        """
+        found: Any
+        try:
+            for owner, getter, single, whole in self.fast:
+                params = owner._parameters
+                # Same count as when installed: every entry is a covered parameter or its replacement.
+                if whole and len(params) == whole:
+                    found = params.values()
+                else:
+                    found = (getter(params),) if single else getter(params)
+                for param in found:
+                    if param.main_grad is None and (strict or not hasattr(param, "__fsdp_param__")):
+                        return False
+        except AttributeError:
+            return self._all_present_slow(strict)
+        except KeyError:
+            return False
+        return True
+
+    def _all_present_slow(self, strict: bool) -> bool:
+        found: Any
+        try:
+            for owner, getter, single, whole in self.fast:
+                params = owner._parameters
+                if whole and len(params) == whole:
+                    found = params.values()
+                else:
+                    found = (getter(params),) if single else getter(params)
+                for param in found:
+                    if getattr(param, "main_grad", None) is None and (
+                        strict or param is None or not hasattr(param, "__fsdp_param__")
+                    ):
+                        return False
+        except KeyError:
+            return False
+        return True
+
+    def release(self) -> None:
+        """Drop every reference to the model (the owner modules)."""
+        self.groups = ()
+        self.fast = ()
+        self.takers = ()
+        self.lookup = _released
+        self.owner1 = self.getter1 = None
+
+
+class Counters:
+    """What the summary reports per module (`Site.counts()`)."""
+
+    __slots__ = ("fwd_calls", "bwd_calls", "records", "exposed", "raised", "errors", "anomalies")
+
+    def __init__(self) -> None:
+        self.fwd_calls = self.bwd_calls = self.records = 0
+        self.exposed = self.raised = self.errors = 0
+        self.anomalies: dict[str, int] = {}
+
+    def flag(self, anomaly: str, times: int = 1) -> None:
+        self.anomalies[anomaly] = self.anomalies.get(anomaly, 0) + times
+
+
+class BufferCache:
+    """What the hooks remember about each slot's main_grad buffers, so that a steady call validates nothing
+    and keeps one new object alive in the ring. Only a cache: the general path rebuilds what it needs."""
+
+    __slots__ = ("checked_ptr", "buffer_meta", "fwd_rows", "bwd_rows", "columns", "last_bwd_ptr")
+
+    def __init__(self, n: int) -> None:
+        self.checked_ptr = [0] * n  # data_ptr whose element count was last found right, per slot
         # Per slot (data_ptr, dtype, shape, device) of the buffer last recorded: a record of the same buffer
         # (same address and dtype) reuses them instead of building a torch.Size and a torch.device per row
         # (time, and GC-tracked objects the ring would keep alive: one shape per slot is shared instead). A view
         # of the same address with another shape but the same dtype would be recorded with the first shape;
         # buffers that TE writes are shaped like their parameter, which the element-count check validates.
-        self.buffer_meta: list[tuple] = [_NO_META] * self.nslots
+        self.buffer_meta: list[tuple] = [_NO_META] * n
         # The rows (a tuple, one 5-row per slot) of the last recorded steady-state forward / backward of a small
         # site. A call whose rows are all the same objects (same meta, flags) pushes that tuple again instead of
         # building new ones: in the steady state a recorded call then allocates one entry, not a list and a
         # tuple per slot that the ring would keep alive (allocation, and garbage-collector work).
-        self.fwd_rows: tuple = _NO_ROWS * self.nslots
-        self.bwd_rows: tuple = _NO_ROWS * self.nslots
-        self.fwd_calls = 0
-        self.bwd_calls = 0
-        self.records = 0
-        self.exposed = 0
-        self.raised = 0
-        self.errors = 0
-        self.anomalies: dict[str, int] = {}
-        self.mb = 0
-        # data_ptrs the previous backward found, per slot. Replaced, never changed in place: a ring entry
-        # may hold the same list.
-        self.last_bwd_ptr = [0] * self.nslots
-        self.pending: tuple | None = None
+        self.fwd_rows: tuple = _NO_ROWS * n
+        self.bwd_rows: tuple = _NO_ROWS * n
+        # The columns (data_ptrs, dtypes, shapes, devices, ows, gams, fsdps) the vectorised path last pushed. A
+        # call that finds the same buffers reuses their shape and device lists (see buffer_meta); each column
+        # equal to the last call's is pushed as that same list, so a steady call keeps one entry alive in the
+        # ring instead of five new lists and 128 ints (memory the next calls would touch cold).
+        self.columns: tuple = _NO_COLUMNS
+        # data_ptrs the previous backward found, per slot (the overwrite heuristic's memory). Replaced, never
+        # changed in place: a ring entry may hold the same list.
+        self.last_bwd_ptr: list[int] = [0] * n
+
+    def validate(self, slot: int, param: Any, mg: _Tensor, ptr: int) -> bool:
+        """A fused-wgrad slot's first sight of buffer `ptr`: is its element count right? (once per buffer)"""
+        if mg.numel() != param.numel() and not _is_distributed(param):
+            return False
+        self.set_checked(slot, ptr)
+        return True
+
+    def set_checked(self, slot: int, ptr: int) -> None:
+        """Note `ptr` as the slot's validated buffer. Keeps the invariant the per-parameter fast paths rely
+        on: `buffer_meta[slot]` names no data_ptr but the validated one, so a hit there needs no check."""
+        self.checked_ptr[slot] = ptr
+        if self.buffer_meta[slot][0] != ptr:
+            self.buffer_meta[slot] = _NO_META
+
+
+class Route:
+    """Which way the site's hooks go: fixed at install (`every`, `vectorised`, `plain_fwd`), then narrowed
+    by what the first calls find (`order_checked`, `lean`, `flag_reads`). Only the speed depends on it."""
+
+    __slots__ = ("every", "vectorised", "plain_fwd", "lean", "flag_reads", "order_checked")
+
+    def __init__(self, rt: Runtime, n: int) -> None:
+        self.every = rt.sample_every
+        self.vectorised = n >= VECTORISED_MIN_PARAMS
+        # small sites' hooks call the per-parameter fast path directly (forward: unless forcing the flag)
+        self.plain_fwd = not self.vectorised and not rt.force_true
+        # The hook's shortest way (see pre_forward): set once the first call has checked the hook order.
+        self.lean = False
+        # Per-parameter fast paths read overwrite_main_grad / grad_added_to_main_grad / __fsdp_param__ as plain
+        # attributes (faster than getattr with a default, hasattr) until a parameter with a main_grad turns out
+        # to lack one (DDP has neither the overwrite flag nor __fsdp_param__): then getattr/hasattr for good.
+        # Only the speed differs: an absent flag reads as None, an absent __fsdp_param__ as False, either way.
+        self.flag_reads = True
         self.order_checked = False
-        self.late_handle: Any = None  # our pre-hook on a container's fused object (see container_pre_forward)
+
+
+class ContainerState:
+    """A fused container's hook on its fused object, and what the overwrite heuristic of its backward needs
+    from before the container's own pre-hook ran (see `Site.container_pre_forward`)."""
+
+    __slots__ = ("late_handle", "late_ref", "pre_ptrs", "exact_overwrite", "relax_once")
+
+    def __init__(self) -> None:
+        self.late_handle: Any = None  # our pre-hook on the fused object
         self.late_ref: weakref.ref | None = None
         self.pre_ptrs: Sequence[int] | None = None  # main_grad data_ptrs seen at the container's pre-forward
         # The last backward that asked whether an overwrite discards micro-batches got Megatron-FSDP's exact
         # answer (`_gbuf.is_data_distributed` a bool) for every slot it asked about: the heuristic, and the
-        # container's snapshot of starting buffers it needs, are not needed (see container_pre_forward).
+        # snapshot of starting buffers it needs, are not needed. Set by every backward path.
         self.exact_overwrite = False
+        # The first call, made before the fused object exists: its own exposure has not run yet
         self.relax_once = False
+
+    def detach(self) -> None:
+        """Remove the hook on the fused object (outside the handle's list of hooks)."""
+        if self.late_handle is not None:
+            self.late_handle.remove()
+            self.late_handle = None
+        self.late_ref = None
+
+
+class Site:
+    """Hooks of one instrumented module: the call in flight (`mb`, `pending`) and five named pieces of state,
+    `slots` (what it covers), `route` (which path its hooks take), `cache` (what they remember about the
+    buffers), `container` (a fused container's extra hook) and `counters` (what the summary reports)."""
+
+    __slots__ = (
+        "rt",
+        "index",
+        "path",
+        "kind",
+        "strict",
+        "slots",
+        "route",
+        "cache",
+        "container",
+        "counters",
+        "mb",
+        "pending",
+        "__weakref__",
+    )
+
+    def __init__(self, rt: Runtime, index: int, spec: TargetSpec) -> None:
+        self.rt = rt
+        self.index = index
+        self.path = spec.path
+        self.kind = spec.kind
+        self.strict = spec.strict_forward
+        self.slots = Slots(spec)
+        self.route = Route(rt, self.slots.n)
+        self.cache = BufferCache(self.slots.n)
+        self.container = ContainerState()
+        self.counters = Counters()
+        self.mb = 0  # micro-batch index within the optimizer step
+        self.pending: tuple | None = None  # (mb, record, fwd) from the pre-forward to the forward hook
 
     @property
     def is_container(self) -> bool:
@@ -414,65 +539,39 @@ class Site:
         rt = self.rt
         if not rt.live:
             return None
+        state = self.container
         try:
             target = fused_object(module)
             if target is not None:
-                late = self.late_ref() if self.late_ref is not None else None
+                late = state.late_ref() if state.late_ref is not None else None
                 if late is not target:
-                    if self.late_handle is not None:
-                        self.late_handle.remove()
-                    self.late_handle = target.register_forward_pre_hook(self.pre_forward)
-                    self.late_ref = weakref.ref(target)
-                    self.order_checked = self.lean = False
-                every = self.every
-                if self.mb > 0 and ((every > 0 and self.fwd_calls % every == 0) or rt.check):
+                    state.detach()
+                    state.late_handle = target.register_forward_pre_hook(self.pre_forward)
+                    state.late_ref = weakref.ref(target)
+                    self.route.order_checked = self.route.lean = False
+                every = self.route.every
+                if self.mb > 0 and ((every > 0 and self.counters.fwd_calls % every == 0) or rt.check):
                     # () where Megatron-FSDP answered exactly last time: no pass over the parameters; should a
                     # slot need the heuristic after all, () reads as "unknown", which flags nothing
-                    self.pre_ptrs = () if self.exact_overwrite else self._current_ptrs()
+                    state.pre_ptrs = () if state.exact_overwrite else self.slots.current_ptrs()
                 return None
             # First call: the container's own exposure (0.19+) has not run yet; do not flag what it will fix.
-            self.relax_once = _self_exposing(type(module))
+            state.relax_once = _self_exposing(type(module))
         except Exception as exc:  # noqa: BLE001
             rt.hook_error(self, FORWARD, self.mb, -1, exc)
         try:
             return self.pre_forward(module, args)
         finally:
-            self.relax_once = False
-
-    def _current_ptrs(self) -> list[int]:
-        """main_grad's data_ptr per slot (0 where it is not a tensor or the parameter is gone)."""
-        try:
-            return list(map(_data_ptr, map(_main_grad_of, self.lookup())))
-        except Exception:  # noqa: BLE001 - one absent, None or not a tensor: look closer
-            pass
-        try:
-            mgs = list(map(getattr, self.lookup(), _R_MAIN_GRAD, _R_NONE))
-        except KeyError:
-            mgs = [
-                getattr(params.get(name), "main_grad", None)
-                for owner, _, _, names, *_ in self.groups
-                for params in (owner._parameters,)
-                for name in names
-            ]
-        if _TENSOR_ONLY.issuperset(map(type, mgs)):
-            return list(map(_data_ptr, mgs))
-        return [mg.data_ptr() if isinstance(mg, _Tensor) else 0 for mg in mgs]
+            state.relax_once = False
 
     def detach(self) -> None:
         """Remove the hook this site added outside the handle's list (the fused object's pre-hook)."""
-        if self.late_handle is not None:
-            self.late_handle.remove()
-            self.late_handle = None
-        self.late_ref = None
+        self.container.detach()
 
     def release(self) -> None:
         """Drop every reference to the model (the owner modules); the site only answers counts() after."""
-        self.groups = ()
-        self.fast = ()
-        self.takers = ()
-        self.lookup = _released
-        self.owner1 = self.getter1 = None
-        self.lean = False
+        self.slots.release()
+        self.route.lean = False
         self.pending = None
 
     def pre_forward(self, module: torch.nn.Module, args: Any = None) -> None:  # noqa: C901 - hot path inlined on purpose
@@ -481,18 +580,21 @@ class Site:
         `lean` (a small site that records every call, not a container, forward not forcing the flag, hook
         order checked): none of the sampling, order and container branches can apply, so they are skipped.
         """
-        if self.lean:  # implies live: release() clears it
+        if self.route.lean:  # implies live: release() clears it
             mb = self.mb
+            counters = self.counters
             try:
-                self.fwd_calls += 1
+                counters.fwd_calls += 1
                 self.mb = mb + 1
                 fwd = _SLOW
                 try:  # _fast_rows inlined (keep the two alike): the call alone is a fair share of a small site
-                    getter = self.getter1
-                    found = getter(self.owner1._parameters) if getter is not None else self.lookup()
-                    plain = self.flag_reads
-                    metas = self.buffer_meta
-                    last = self.fwd_rows
+                    slots = self.slots
+                    cache = self.cache
+                    getter = slots.getter1
+                    found = getter(slots.owner1._parameters) if getter is not None else slots.lookup()
+                    plain = self.route.flag_reads
+                    metas = cache.buffer_meta
+                    last = cache.fwd_rows
                     rows: Any = None  # stays None while every row is the last call's
                     for i, p in enumerate(found):
                         mg = p.main_grad
@@ -525,9 +627,9 @@ class Site:
                             meta[0] != ptr or meta[1] is not dtype
                         ):  # a buffer new to this slot: validated first
                             if (
-                                ptr != self.checked_ptr[i]
-                                and self.wgrads[i]
-                                and not self._validate(i, p, mg, ptr)
+                                ptr != cache.checked_ptr[i]
+                                and slots.wgrads[i]
+                                and not cache.validate(i, p, mg, ptr)
                             ):
                                 break
                             meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
@@ -541,11 +643,11 @@ class Site:
                         if rows is None:
                             rows = last
                         else:
-                            rows = self.fwd_rows = tuple(rows)
+                            rows = cache.fwd_rows = tuple(rows)
                         rt = self.rt
-                        n = self.nslots
+                        n = slots.n
                         rt.ring.push((CallEntry, n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
-                        self.records += n
+                        counters.records += n
                         fwd = rows
                 except AttributeError:  # main_grad absent (the general path sees to it), or a flag
                     self._flag_absent()
@@ -565,21 +667,22 @@ class Site:
         if not rt.live:
             return None
         mb = self.mb
+        route = self.route
         try:
-            n = self.fwd_calls = self.fwd_calls + 1
+            n = self.counters.fwd_calls = self.counters.fwd_calls + 1
             self.mb = mb + 1
-            every = self.every
+            every = route.every
             record = every == 1 or (every > 1 and (n - 1) % every == 0)
             if not record:
                 if rt.observe:
                     self.pending = None
                     return None
-                if rt.fast_fix and self.order_checked and self._all_present():
+                if rt.fast_fix and route.order_checked and self.slots.all_present(self.strict):
                     self.pending = None
                     return None
-            if not self.order_checked:
+            if not route.order_checked:
                 self._check_order(module)
-            if self.plain_fwd:
+            if route.plain_fwd:
                 try:
                     fwd = self._fast_forward(mb, record)
                 except AttributeError:  # main_grad absent (the general path sees to it), or a flag
@@ -591,8 +694,9 @@ class Site:
                     fwd = self._inspect_each(FORWARD, mb, record, None)
             else:
                 fwd = self._inspect(FORWARD, mb, record, None)
-            if self.pre_ptrs is not None:  # a container: the state before its own pre-hook ran
-                fwd, self.pre_ptrs = self.pre_ptrs, None
+            container = self.container
+            if container.pre_ptrs is not None:  # a container: the state before its own pre-hook ran
+                fwd, container.pre_ptrs = container.pre_ptrs, None
             self.pending = (mb, record, fwd) if (record or rt.check) else None
         except MainGradContractError:
             self.pending = None
@@ -634,8 +738,8 @@ class Site:
             return None
         mb, record, fwd = pending
         try:
-            self.bwd_calls += 1
-            if self.vectorised:
+            self.counters.bwd_calls += 1
+            if self.route.vectorised:
                 self._inspect(BACKWARD, mb, record, fwd)
             else:
                 try:
@@ -654,55 +758,11 @@ class Site:
         return None
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _all_present(self) -> bool:
-        """Fast path of fix mode: nothing to expose. Strict kinds need a main_grad on every parameter; the
-        others only where nothing refreshes it in backward (no `__fsdp_param__`).
-
-        Plain attribute reads (faster than getattr with a default); an absent main_grad (or parameter)
-        raises AttributeError, and `_all_present_slow` answers with getattr, as before.
-        """
-        strict = self.strict
-        found: Any
-        try:
-            for owner, getter, single, whole in self.fast:
-                params = owner._parameters
-                # Same count as when installed: every entry is a covered parameter or its replacement.
-                if whole and len(params) == whole:
-                    found = params.values()
-                else:
-                    found = (getter(params),) if single else getter(params)
-                for param in found:
-                    if param.main_grad is None and (strict or not hasattr(param, "__fsdp_param__")):
-                        return False
-        except AttributeError:
-            return self._all_present_slow()
-        except KeyError:
-            return False
-        return True
-
-    def _all_present_slow(self) -> bool:
-        strict = self.strict
-        found: Any
-        try:
-            for owner, getter, single, whole in self.fast:
-                params = owner._parameters
-                if whole and len(params) == whole:
-                    found = params.values()
-                else:
-                    found = (getter(params),) if single else getter(params)
-                for param in found:
-                    if getattr(param, "main_grad", None) is None and (
-                        strict or param is None or not hasattr(param, "__fsdp_param__")
-                    ):
-                        return False
-        except KeyError:
-            return False
-        return True
-
     def _check_order(self, module: torch.nn.Module) -> None:
         """Warn once if an unshard-like pre-forward hook runs after ours on the same module."""
-        self.order_checked = True
-        self.lean = self.plain_fwd and self.every == 1 and not self.is_container
+        route = self.route
+        route.order_checked = True
+        route.lean = route.plain_fwd and route.every == 1 and not self.is_container
         hooks = list(module._forward_pre_hooks.values())
         mine = self.pre_forward
         position = next((i for i, h in enumerate(hooks) if h == mine), None)
@@ -729,14 +789,14 @@ class Site:
         anything else, or any surprise in it, the general per-parameter one.
         """
         try:
-            if self.vectorised:
+            if self.route.vectorised:
                 result = self._inspect_vectorised(phase, mb, record, fwd)
             elif phase == FORWARD:
                 result = _SLOW if self.rt.force_true else self._fast_forward(mb, record)
             else:
                 result = self._fast_backward(mb, record, fwd)
         except AttributeError:
-            if not self.vectorised:
+            if not self.route.vectorised:
                 self._flag_absent()
             result = _SLOW
         except Exception:  # noqa: BLE001 - e.g. a property raising: the general path records it
@@ -749,33 +809,19 @@ class Site:
         """After an AttributeError in a plain-read fast path: read the flags (and `__fsdp_param__`) with
         getattr/hasattr from now on if a parameter that has a main_grad lacks one (not when main_grad itself is
         what was absent)."""
-        if not self.flag_reads:
+        if not self.route.flag_reads:
             return
         try:
-            for p in self.lookup():
+            for p in self.slots.lookup():
                 if hasattr(p, "main_grad") and not (
                     hasattr(p, "overwrite_main_grad")
                     and hasattr(p, "grad_added_to_main_grad")
                     and hasattr(p, "__fsdp_param__")
                 ):
-                    self.flag_reads = False
+                    self.route.flag_reads = False
                     return
         except Exception:  # noqa: BLE001 - a parameter gone: the general path reports it
             pass
-
-    def _validate(self, slot: int, param: Any, mg: _Tensor, ptr: int) -> bool:
-        """A fused-wgrad slot's first sight of buffer `ptr`: is its element count right? (once per buffer)"""
-        if mg.numel() != param.numel() and not _is_distributed(param):
-            return False
-        self._set_checked(slot, ptr)
-        return True
-
-    def _set_checked(self, slot: int, ptr: int) -> None:
-        """Note `ptr` as the slot's validated buffer. Keeps the invariant the per-parameter fast paths rely
-        on: `buffer_meta[slot]` names no data_ptr but the validated one, so a hit there needs no check."""
-        self.checked_ptr[slot] = ptr
-        if self.buffer_meta[slot][0] != ptr:
-            self.buffer_meta[slot] = _NO_META
 
     def _fast_forward(self, mb: int, record: bool) -> Any:
         """The forward steady state of a small site, one parameter at a time, in as few steps as possible.
@@ -791,11 +837,13 @@ class Site:
         """`_fast_forward` recording: rows (slot, meta, ow, gam, fsdp), one ring entry; the last call's rows
         tuple again when nothing changed (see `fwd_rows`). pre_forward's lean branch runs the same loop inline;
         tests/hooks/test_hooks_paths.py holds both to the general path."""
-        getter = self.getter1
-        found = getter(self.owner1._parameters) if getter is not None else self.lookup()
-        plain = self.flag_reads
-        metas = self.buffer_meta
-        last = self.fwd_rows
+        slots = self.slots
+        cache = self.cache
+        getter = slots.getter1
+        found = getter(slots.owner1._parameters) if getter is not None else slots.lookup()
+        plain = self.route.flag_reads
+        metas = cache.buffer_meta
+        last = cache.fwd_rows
         rows: Any = None  # stays None while every row is the last call's
         for i, p in enumerate(found):
             mg = p.main_grad
@@ -825,7 +873,7 @@ class Site:
             dtype = mg.dtype
             meta = metas[i]
             if meta[0] != ptr or meta[1] is not dtype:  # a buffer new to this slot: validated first
-                if ptr != self.checked_ptr[i] and self.wgrads[i] and not self._validate(i, p, mg, ptr):
+                if ptr != cache.checked_ptr[i] and slots.wgrads[i] and not cache.validate(i, p, mg, ptr):
                     return _SLOW
                 meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
             if rows is None:
@@ -837,20 +885,22 @@ class Site:
         if rows is None:
             rows = last
         else:
-            rows = self.fwd_rows = tuple(rows)
+            rows = cache.fwd_rows = tuple(rows)
         rt = self.rt
-        n = self.nslots
+        n = slots.n
         rt.ring.push((CallEntry, n, rows, time_ns(), rt.step, mb, FORWARD, self.index))
-        self.records += n
+        self.counters.records += n
         return rows
 
     def _fast_ptrs(self) -> Any:
         """`_fast_forward` not recording: the data_ptrs only."""
-        getter = self.getter1
-        found = getter(self.owner1._parameters) if getter is not None else self.lookup()
-        checked = self.checked_ptr
-        wgrads = self.wgrads
-        plain = self.flag_reads
+        slots = self.slots
+        cache = self.cache
+        getter = slots.getter1
+        found = getter(slots.owner1._parameters) if getter is not None else slots.lookup()
+        checked = cache.checked_ptr
+        wgrads = slots.wgrads
+        plain = self.route.flag_reads
         ptrs: list[int] = []
         keep = ptrs.append
         for i, p in enumerate(found):
@@ -873,7 +923,7 @@ class Site:
                 keep(0)
                 continue
             ptr = _data_ptr(mg)
-            if ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
+            if ptr != checked[i] and wgrads[i] and not cache.validate(i, p, mg, ptr):
                 return _SLOW
             keep(ptr)
         return ptrs
@@ -884,21 +934,23 @@ class Site:
         The one anomaly it records itself is `overwrite_discards_microbatch` (not fatal: check mode does not
         raise for it), computed exactly as the general path does.
         """
-        getter = self.getter1
-        found = getter(self.owner1._parameters) if getter is not None else self.lookup()
-        checked = self.checked_ptr
-        wgrads = self.wgrads
-        plain = self.flag_reads
-        last = self.last_bwd_ptr
+        slots = self.slots
+        cache = self.cache
+        getter = slots.getter1
+        found = getter(slots.owner1._parameters) if getter is not None else slots.lookup()
+        checked = cache.checked_ptr
+        wgrads = slots.wgrads
+        plain = self.route.flag_reads
+        last = cache.last_bwd_ptr
         detect = mb > 0
         flagged = 0
-        exact = None  # None: no slot asked (see exact_overwrite)
+        exact = None  # None: no slot asked (see ContainerState.exact_overwrite)
         ptrs: list[int] = []
         keep = ptrs.append
-        if record:
-            metas = self.buffer_meta
-            last_rows = self.bwd_rows
-            rows: Any = None  # stays None while every row is the last call's (see fwd_rows)
+        metas = cache.buffer_meta  # read and written only when recording
+        last_rows = cache.bwd_rows
+        rows: Any = None  # stays None while every row is the last call's (see fwd_rows)
+        meta: Any = None
         for i, p in enumerate(found):
             mg = p.main_grad
             if plain:
@@ -930,10 +982,10 @@ class Site:
                 dtype = mg.dtype
                 meta = metas[i]
                 if meta[0] != ptr or meta[1] is not dtype:  # a buffer new to this slot: validated first
-                    if ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
+                    if ptr != checked[i] and wgrads[i] and not cache.validate(i, p, mg, ptr):
                         return _SLOW
                     meta = metas[i] = (ptr, dtype, mg.shape, mg.device)
-            elif ptr != checked[i] and wgrads[i] and not self._validate(i, p, mg, ptr):
+            elif ptr != checked[i] and wgrads[i] and not cache.validate(i, p, mg, ptr):
                 return _SLOW
             keep(ptr)
             anomaly = None
@@ -961,22 +1013,22 @@ class Site:
                     if rows is None:
                         rows = list(last_rows[:i])
                     rows.append((FlaggedRow, i, meta, ow, gam, fsdp, A_NONE, anomaly))
-        self.last_bwd_ptr = ptrs
+        cache.last_bwd_ptr = ptrs
         if exact is not None:
-            self.exact_overwrite = exact
+            self.container.exact_overwrite = exact
         if flagged:
-            self.anomalies[OVERWRITE] = self.anomalies.get(OVERWRITE, 0) + flagged
+            self.counters.flag(OVERWRITE, flagged)
         if record:
             if rows is None:
                 rows = last_rows
             elif flagged:
                 rows = tuple(rows)  # holds anomaly rows: never reused (bwd_rows holds TensorRows only)
             else:
-                rows = self.bwd_rows = tuple(rows)
+                rows = cache.bwd_rows = tuple(rows)
             rt = self.rt
             n = len(rows)
             rt.ring.push((CallEntry, n, rows, time_ns(), rt.step, mb, BACKWARD, self.index))
-            self.records += n
+            self.counters.records += n
         return None
 
     def _inspect_vectorised(self, phase: int, mb: int, record: bool, fwd: Sequence[Any] | None) -> Any:  # noqa: C901 - hot path inlined on purpose
@@ -991,29 +1043,31 @@ class Site:
         forward = phase == FORWARD
         if forward and rt.force_true:
             return _SLOW
-        found = self.lookup()
+        slots = self.slots
+        cache = self.cache
+        found = slots.lookup()
         mgs = list(map(_main_grad_of, found))
         ptrs = list(map(_data_ptr, mgs))
-        if self.flag_reads:
+        if self.route.flag_reads:
             try:
                 ows = list(map(_ow_of, found))
                 gams = list(map(_gam_of, found))
             except AttributeError:  # every main_grad is there (the passes above): a flag is absent
-                self.flag_reads = False
-        if not self.flag_reads:
-            ows = list(map(getattr, found, _R_OW, _R_NONE))
-            gams = list(map(getattr, found, _R_GAM, _R_NONE))
+                self.route.flag_reads = False
+                ows, gams = _flags_or_none(found)
+        else:
+            ows, gams = _flags_or_none(found)
         if not (_FLAG_TYPES.issuperset(map(type, ows)) and _FLAG_TYPES.issuperset(map(type, gams))):
             return _SLOW
-        checked = self.checked_ptr
+        checked = cache.checked_ptr
         if ptrs != checked:  # buffers not validated yet: compare element counts once per buffer
-            wgrads = self.wgrads
+            wgrads = slots.wgrads
             for i, ptr in enumerate(ptrs):
                 if ptr != checked[i]:
                     if wgrads[i] and mgs[i].numel() != found[i].numel() and not _is_distributed(found[i]):
                         return _SLOW
-                    self._set_checked(i, ptr)
-        anomalies = None
+                    cache.set_checked(i, ptr)
+        anomalies: list[str | None] | None = None
         if not forward and mb > 0 and True in ows:  # ows hold bools and None only: `in` is safe
             try:
                 distributed = list(map(_gbuf_distributed_of, found))
@@ -1024,34 +1078,34 @@ class Site:
             if all(map(is_, distributed, _R_FALSE)):
                 # Megatron-FSDP with unsharded gradients, every parameter: each fused-wgrad slot whose flag is
                 # True discards the earlier micro-batches (what _overwrites_accumulation says), in C.
-                self.exact_overwrite = True
-                flags = list(map(and_, map(is_, ows, _R_TRUE), self.wgrads))
+                self.container.exact_overwrite = True
+                flags = list(map(and_, map(is_, ows, _R_TRUE), slots.wgrads))
                 flagged = flags.count(True)
                 if flagged:
                     anomalies = list(map(_OVERWRITE_IF.__getitem__, flags))
             elif all(map(is_, distributed, _R_TRUE)):
-                self.exact_overwrite = True
+                self.container.exact_overwrite = True
                 flagged = 0
             else:
-                self.exact_overwrite = all(d.__class__ is bool for d in distributed)
-                last = self.last_bwd_ptr
-                wgrads = self.wgrads
+                self.container.exact_overwrite = all(d.__class__ is bool for d in distributed)
+                last = cache.last_bwd_ptr
+                wgrads = slots.wgrads
                 flagged = 0
                 for i, ow in enumerate(ows):
                     if ow is True and wgrads[i]:
                         d = distributed[i]
                         if not d if d.__class__ is bool else _heuristic_overwrite(_fwd_ptr(fwd, i), last[i]):
                             if anomalies is None:
-                                anomalies = [None] * len(ows)
+                                anomalies = list[str | None]([None] * len(ows))
                             anomalies[i] = OVERWRITE
                             flagged += 1
             if flagged:
-                self.anomalies[OVERWRITE] = self.anomalies.get(OVERWRITE, 0) + flagged
+                self.counters.flag(OVERWRITE, flagged)
         if record:
             n = len(ptrs)
             dtypes = list(map(_dtype_of, mgs))
             fsdps = list(map(hasattr, found, _R_FSDP))
-            prev = self.columns  # lists of ints, dtypes, bools and None only: `==` compares no tensor
+            prev = cache.columns  # lists of ints, dtypes, bools and None only: `==` compares no tensor
             if prev[0] == ptrs and prev[1] == dtypes:
                 ptrs, dtypes, shapes, devices = prev[0], prev[1], prev[2], prev[3]
             else:
@@ -1063,13 +1117,13 @@ class Site:
                 gams = prev[5]
             if prev[6] == fsdps:
                 fsdps = prev[6]
-            self.columns = (ptrs, dtypes, shapes, devices, ows, gams, fsdps)
+            cache.columns = (ptrs, dtypes, shapes, devices, ows, gams, fsdps)
             rt.ring.push(
                 (ColumnsEntry, n, ptrs, dtypes, shapes, devices, ows, gams, fsdps, anomalies, time_ns(), rt.step, mb, phase, self.index)
             )  # fmt: skip
-            self.records += n
+            self.counters.records += n
         if not forward:
-            self.last_bwd_ptr = ptrs
+            cache.last_bwd_ptr = ptrs
             return None
         return ptrs if (record or rt.check) else None
 
@@ -1083,27 +1137,27 @@ class Site:
         fix = rt.fix and forward
         force = rt.force_true and forward
         check = rt.check
-        strict = self.strict and forward and not self.relax_once
-        ptrs = [0] * self.nslots if (forward and (record or check)) else None
+        strict = self.strict and forward and not self.container.relax_once
+        ptrs = [0] * self.slots.n if (forward and (record or check)) else None
         # a fresh list for this backward's buffers: the previous one may be held by a ring entry
-        last = None if forward else list(self.last_bwd_ptr)
+        cache = self.cache
+        last = None if forward else list(cache.last_bwd_ptr)
         if last is not None:
-            self.last_bwd_ptr = last
-        anomalies = self.anomalies
+            cache.last_bwd_ptr = last
+        counters = self.counters
         problems: list[tuple[str, str, Any]] | None = None
-        rows: list[Any] | None = None
         found: Any
         mg: Any
         ptr: Any  # an int where main_grad is a tensor, else None
-        if record:
-            t, step = time_ns(), rt.step
-            rows = []
-            append = rows.append
-        checked = self.checked_ptr
-        metas = self.buffer_meta
+        # This call's rows (appended to only when recording, then pushed as one entry whatever happens)
+        rows: list[Any] = []
+        append = rows.append
+        t, step = (time_ns(), rt.step) if record else (0, 0)
+        checked = cache.checked_ptr
+        metas = cache.buffer_meta
         strict_kind = self.strict
         try:
-            for owner, getter, single, names, wgrads, indices in self.groups:
+            for owner, getter, single, names, wgrads, indices in self.slots.groups:
                 params = owner._parameters
                 try:
                     found = (getter(params),) if single else getter(params)
@@ -1145,7 +1199,7 @@ class Site:
                                 continue
                         # Slow path: anything missing, odd, to expose, to force, or to flag.
                         if p is None:
-                            anomalies[PARAM_MISSING] = anomalies.get(PARAM_MISSING, 0) + 1
+                            counters.flag(PARAM_MISSING)
                             if record:
                                 append((PlainRow, i, False, None, None, None, False, A_NONE, PARAM_MISSING))
                             continue
@@ -1173,6 +1227,7 @@ class Site:
                             if wgrad and anomaly is None:
                                 anomaly = FLAG
                         if is_tensor:
+                            mg = cast(_Tensor, mg)  # (the checker cannot tie is_tensor to mg)
                             ptr = mg.data_ptr()
                             if ptrs is not None and action == A_NONE:
                                 ptrs[i] = ptr
@@ -1189,7 +1244,7 @@ class Site:
                                 if mg.numel() != p.numel() and not _is_distributed(p):
                                     anomaly = SHAPE
                                 else:
-                                    self._set_checked(i, ptr)
+                                    cache.set_checked(i, ptr)
                         else:
                             ptr = None
                             if last is not None:
@@ -1197,17 +1252,17 @@ class Site:
                             if wgrad and anomaly in (None, FLAG) and (strict or not _refreshable(p)):
                                 anomaly = MISSING if mg is _MISSING else NONE if mg is None else NOT_TENSOR
                         if anomaly is not None:
-                            anomalies[anomaly] = anomalies.get(anomaly, 0) + 1
+                            counters.flag(anomaly)
                             if check and wgrad and anomaly in FATAL_ANOMALIES:
                                 action = A_RAISED
                                 if problems is None:
                                     problems = []
-                                problems.append((self.relnames[i], anomaly, p))
+                                problems.append((self.slots.relnames[i], anomaly, p))
                         if record:
                             if is_tensor:
                                 append(
                                     (
-                                        FlaggedRow, i, (ptr, mg.dtype, mg.shape, mg.device), ow, gam,
+                                        FlaggedRow, i, _meta(ptr, mg), ow, gam,
                                         hasattr(p, "__fsdp_param__"), action, anomaly,
                                     )
                                 )  # fmt: skip
@@ -1220,14 +1275,14 @@ class Site:
                                     )
                                 )  # fmt: skip
                     except Exception as exc:  # noqa: BLE001 - one bad parameter must not hide the others
-                        rt.hook_error(self, phase, mb, i, exc, rows)
+                        rt.hook_error(self, phase, mb, i, exc, rows if record else None)
         finally:
             if rows:  # whatever was recorded, even if something above escaped
                 rt.ring.push((CallEntry, len(rows), rows, t, step, mb, phase, self.index))
         if record:
-            self.records += self.nslots
+            counters.records += self.slots.n
         if problems:
-            self.raised += 1
+            counters.raised += 1
             relname, problem, param = problems[0]
             raise MainGradContractError(
                 self.path,
@@ -1251,26 +1306,38 @@ class Site:
         if not isinstance(new, _Tensor):
             return mg, A_NONE, GET_FAILED
         p.main_grad = new
-        self.exposed += 1
+        self.counters.exposed += 1
         return new, A_EXPOSED, None
 
     def reset_step(self) -> None:
+        """An optimizer step: micro-batches count from 0 again, and no earlier backward's buffers count."""
         self.mb = 0
-        self.last_bwd_ptr = [0] * self.nslots
+        self.cache.last_bwd_ptr = [0] * self.slots.n
 
     def counts(self) -> dict[str, Any]:
+        """The summary's row for this module (`ModuleSummary`'s fields)."""
         return {
             "module": self.path,
             "kind": self.kind,
-            "params": self.nslots,
-            "forward_calls": self.fwd_calls,
-            "backward_calls": self.bwd_calls,
-            "records": self.records,
-            "exposed": self.exposed,
-            "raised": self.raised,
-            "errors": self.errors,
-            "anomalies": dict(self.anomalies),
+            "params": self.slots.n,
+            "forward_calls": self.counters.fwd_calls,
+            "backward_calls": self.counters.bwd_calls,
+            "records": self.counters.records,
+            "exposed": self.counters.exposed,
+            "raised": self.counters.raised,
+            "errors": self.counters.errors,
+            "anomalies": dict(self.counters.anomalies),
         }
 
 
-__all__ = ["Runtime", "Site", "A_ERROR", "A_RAISED"]
+__all__ = [
+    "Runtime",
+    "Site",
+    "Slots",
+    "Route",
+    "BufferCache",
+    "ContainerState",
+    "Counters",
+    "A_ERROR",
+    "A_RAISED",
+]

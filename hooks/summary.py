@@ -73,7 +73,7 @@ class Summary:
             "anomalies",
             "overwrite_main_grad seen",
         )
-        rows = [header]
+        rows: list[tuple[str, ...]] = [header]
         any_overwrite = False
         for m in self.modules:
             anomalies = ", ".join(f"{k}={v}" for k, v in sorted(m.anomalies.items())) or "-"

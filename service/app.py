@@ -69,7 +69,7 @@ def prepare_database(settings: Settings) -> Database:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings()
+    settings = settings or Settings()  # pyright: ignore[reportCallIssue] - takes Field(x)'s x as no default
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -430,9 +430,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + budget
     if client is not None and args.wait > 0:
         client.connect_grace = args.wait
-    if client is not None:
-        from maingrad.service.client import ClientError
+    from maingrad.service.client import ClientError  # standard library only: cheap
 
+    if client is not None:
         try:
             project = _project(args, client, deadline)
         except ClientError as exc:
@@ -460,6 +460,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
             )
             if body is None:
                 return _err(f"no project {project!r} in the database")
+        assert body is not None  # an answer from either branch (the client's is typed Any)
         remaining = deadline - time.monotonic()
         if body["status"] != "pending" or remaining <= 0.25:
             break

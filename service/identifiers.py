@@ -7,7 +7,3 @@ import re
 # A commit: a git SHA (hex, normalized to lower case) or another revision id (letters, digits, . _ -).
 COMMIT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 COMMIT_RE = re.compile(COMMIT_PATTERN)
-
-
-def normalize_commit(value: str) -> str:
-    return value.strip().lower()

@@ -876,7 +876,10 @@ class _ApplyPlan(cst.CSTTransformer):
     def _comment_line(self) -> cst.EmptyLine:
         return cst.EmptyLine(comment=cst.Comment(_COMMENT))
 
-    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
+        original, updated = original_node, updated_node  # libcst's parameter names (an override keeps them)
         self_name = self.append_to.get(id(original))
         if self_name is None or not isinstance(updated.body, cst.IndentedBlock):
             return updated
@@ -885,8 +888,9 @@ class _ApplyPlan(cst.CSTTransformer):
         return updated.with_changes(body=updated.body.with_changes(body=[*updated.body.body, call]))
 
     def leave_IndentedBlock(
-        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
+        self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
     ) -> cst.IndentedBlock:
+        original, updated = original_node, updated_node
         body: list[cst.BaseStatement] = []
         changed = False
         for old, new in zip(original.body, updated.body, strict=True):

@@ -941,7 +941,7 @@ class _Analysis:
                         if isinstance(node.func, cst.Attribute)
                         else dotted_name(node.func)
                     )
-                    if callee == name and node is not func:
+                    if callee == name and other is not func:
                         found.append((node, other))
         return found
 

@@ -190,7 +190,8 @@ def direct_cost(model, x, tgt, mode: str) -> tuple[float, int]:
 
 _HOOK_ENTRIES = ("container_pre_forward", "pre_forward", "post_forward", "on_backward")
 # Inner parts, timed on their own as well (nested in the entries): where an entry's time goes.
-_INNER = ("_inspect_vectorised", "_current_ptrs", "_inspect_each")
+_INNER = ("_inspect_vectorised", "_inspect_each")
+_SLOTS_INNER = ("current_ptrs",)  # methods of Site.slots (instrument.Slots)
 
 
 def _timed_entries(cls, names, spent: dict, outer: list | None) -> dict:
@@ -237,6 +238,7 @@ def in_place_cost(model, x, tgt, variant: str, steps: int) -> tuple[float, float
     outer = [False]
     originals = _timed_entries(instrument.Site, _HOOK_ENTRIES, spent, outer)
     inner = _timed_entries(instrument.Site, _INNER, spent, None)
+    slots_inner = _timed_entries(instrument.Slots, _SLOTS_INNER, spent, None)
     try:
         # after patching: the registered bound methods are the timed ones
         handle = NullHooks(model, spent) if variant == "null" else install_variant(model, variant)
@@ -251,11 +253,17 @@ def in_place_cost(model, x, tgt, variant: str, steps: int) -> tuple[float, float
             handle.step()
             flush_ns += time.perf_counter_ns() - t0
         parts = {name: ns / steps / 1e3 for name, ns in spent.items()}
-        hook_ns = sum(ns for name, ns in spent.items() if name not in _INNER and not name.endswith(" cpu"))
+        hook_ns = sum(
+            ns
+            for name, ns in spent.items()
+            if name not in _INNER + _SLOTS_INNER and not name.endswith(" cpu")
+        )
         handle.remove()
     finally:
         for name, original in {**originals, **inner}.items():
             setattr(instrument.Site, name, original)
+        for name, original in slots_inner.items():
+            setattr(instrument.Slots, name, original)
     return hook_ns / steps / 1e6, flush_ns / steps / 1e6, statistics.median(times), parts
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from maingrad.analyzer import facts, syntax_index
+from maingrad.analyzer import engine, facts, syntax_index
 from maingrad.analyzer.context import RuleSettings
 from maingrad.analyzer.engine import analyze_source, fix_source
 from maingrad.analyzer.rules import all_rules, rules_by_id
@@ -128,6 +128,35 @@ def test_every_test_bed_same_findings_with_and_without_gate(bed: str) -> None:
         parsed["gated"] += gated.parsed
         parsed["plain"] += plain.parsed
     assert parsed["gated"] <= parsed["plain"]
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("bed", sorted(_BEDS))
+def test_prefilters_never_skip_what_a_rule_reports(bed: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-filters (text needles, large-file segments, and the syntax gate, whose `ast` mirrors of
+    `rules._common` are a second copy of the rules' semantics) against none at all: every .py file of the
+    bed parsed whole by libcst and every rule run on it. Wherever a rule reports there, the shipped path
+    reports exactly the same findings (rule, position, message, fingerprint, fix), file by file."""
+    root = bed_dir(bed)
+    rules = [rule() for rule in all_rules()]
+    settings = RuleSettings()
+    every_rule = lambda source, candidates: list(candidates)  # noqa: E731 - no needle filters anything
+    fired: dict[str, int] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        source = path.read_text(encoding="utf-8", errors="replace")
+        with monkeypatch.context() as patch:
+            patch.setattr(engine, "needed_rules", every_rule)
+            unfiltered = engine._analyze_whole(source, rel, rules, settings, None, False, False)
+        if not unfiltered.findings:
+            continue
+        shipped = analyze_source(source, rel, rules, settings)
+        assert [f.to_dict() for f in shipped.findings] == [f.to_dict() for f in unfiltered.findings], rel
+        for finding in unfiltered.findings:
+            fired[finding.rule] = fired.get(finding.rule, 0) + 1
+    assert fired, f"no rule reports anything on {bed}: the comparison would be empty"
 
 
 @pytest.mark.network

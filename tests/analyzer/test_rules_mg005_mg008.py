@@ -64,6 +64,39 @@ def test_mg005_every_import_form(imports: str, seq: str, op: str) -> None:
     assert f"seq = {seq}()" in found[0].snippet
 
 
+def test_mg005_recursive_builder_is_not_its_own_caller() -> None:
+    """A builder that returns a container is judged by where its callers keep the result. Its own recursive
+    call (whose result it returns, so it reaches the same callers) is not one of them: `run` keeps the
+    container in a local that nothing hooks, so the finding stands (counting the recursion as a caller
+    that loses the result made the rule abstain)."""
+    code = """\
+    import transformer_engine.pytorch.ops as teops
+
+    def fuse(linear, depth=0):
+        if depth:
+            return fuse(linear, depth - 1)
+        seq = teops.Sequential()
+        op = teops.BasicLinear(4, 4, device="meta")
+        op.weight = linear.weight
+        seq.append(op)
+        return seq
+
+    def run(linear, x):
+        fused = fuse(linear, 1)
+        return fused(x)
+    """
+    assert [f.line for f in findings("MG005", code)] == [6]
+    # Hooked where the caller keeps it: no finding, recursion or not.
+    hooked = code.replace(
+        "        return fused(x)\n",
+        "        fused.register_forward_pre_hook(replay)\n        return fused(x)\n\n"
+        "    def replay(module, args):\n"
+        "        for hook in module.linear._forward_pre_hooks.values():\n"
+        "            hook(module, args)\n",
+    )
+    assert findings("MG005", hooked) == []
+
+
 def test_mg005_other_sequentials_are_not_op_fusers() -> None:
     for imports, seq in [
         ("import torch", "torch.nn.Sequential"),

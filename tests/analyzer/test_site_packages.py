@@ -1,4 +1,4 @@
-"""Acceptance 4 (issue 2): every .py file of this environment's site-packages (torch included: thousands of
+"""Every .py file of this environment's site-packages (torch included: thousands of
 files, how many depends on what is installed) is scanned by the real CLI, in worker processes, without a
 crash, and discovery finds exactly the files an independent walk finds."""
 

@@ -728,6 +728,20 @@ def assert_grads_equal(got: list[dict], ref: list[dict]) -> None:
             torch.testing.assert_close(g[name], r[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
 
 
+def hooked_run_matches(model: MegatronFSDP, handle, data, ref_grads: list[dict], ref_losses: list[float]):
+    """Train `model` under `handle`'s hooks: the reference run's gradients and losses (fp32 round-off) and a
+    clean summary. Returns the summary's one module."""
+    import pytest
+
+    grads, losses = fsdp_run(model, data, on_step=handle.step)
+    assert_grads_equal(grads, ref_grads)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    summary = handle.summary()
+    assert summary.ok, summary.table()
+    (module,) = summary.modules
+    return module
+
+
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     worst = 0.0
     for name, ref in b.items():

@@ -9,9 +9,9 @@ import torch
 from emulators import (
     STRATEGIES,
     MegatronFSDP,
-    assert_grads_equal,
     batches,
     fsdp_run,
+    hooked_run_matches,
     make_layer,
     reference_run,
 )
@@ -36,12 +36,7 @@ def test_install_trains_the_dense_fused_path(strategy: str, microbatches: int) -
     ref_grads, ref_losses = reference_run(data, version=DENSE)
     model = MegatronFSDP(make_layer(version=DENSE), strategy)
     handle = install(model)
-    grads, losses = fsdp_run(model, data, on_step=handle.step)
-    assert_grads_equal(grads, ref_grads)
-    assert losses == pytest.approx(ref_losses, rel=1e-6)
-    summary = handle.summary()
-    assert summary.ok, summary.table()
-    (mlp,) = summary.modules
+    mlp = hooked_run_matches(model, handle, data, ref_grads, ref_losses)
     assert (mlp.module, mlp.kind, mlp.params) == ("module.experts", "fused_container", 2)
     # the fused object replays the container's own pre-forward hooks (ours among them): one call each
     assert mlp.forward_calls == STEPS * microbatches

@@ -12,6 +12,7 @@ from emulators import MegatronFSDP, batches, fsdp_run, make_layer
 
 from maingrad.contracts.records import validate
 from maingrad.hooks import MainGradContractError, MainGradHooksWarning, install, watch
+from maingrad.hooks.api import Handle
 
 _ALLOWED = {"dtype", "shape", "device", "data_ptr", "numel"}
 
@@ -263,11 +264,13 @@ def _reaches(start: object, target: object, limit: int = 100_000) -> bool:
     """Whether `target` is reachable from `start` through our own objects and plain containers."""
     from collections import deque as _deque
 
+    from maingrad.hooks import instrument
     from maingrad.hooks.api import Handle
-    from maingrad.hooks.instrument import Runtime, Site
     from maingrad.hooks.records import RecordRing
 
-    follow = (Handle, Runtime, Site, RecordRing, dict, list, tuple, set, _deque)
+    pieces = (instrument.Slots, instrument.Route, instrument.BufferCache, instrument.ContainerState)
+    follow = (Handle, instrument.Runtime, instrument.Site, *pieces, instrument.Counters, RecordRing)
+    follow += (dict, list, tuple, set, _deque)
     seen, todo = set(), [start]
     while todo and len(seen) < limit:
         obj = todo.pop()
@@ -280,11 +283,16 @@ def _reaches(start: object, target: object, limit: int = 100_000) -> bool:
     return False
 
 
-def test_removed_handle_keeps_no_reference_to_the_model() -> None:
+def _hooked_fsdp_like_layer() -> tuple[torch.nn.Module, Handle]:
+    """A fused MoE layer whose parameters look like Megatron-FSDP's, with the hooks installed."""
     layer = make_layer()
     for param in layer.parameters():
         fsdp_like(param)
-    handle = install(layer)
+    return layer, install(layer)
+
+
+def test_removed_handle_keeps_no_reference_to_the_model() -> None:
+    layer, handle = _hooked_fsdp_like_layer()
     x, target = batches(1, 1)[0][0]
     for _ in range(2):
         ((layer(x, (5, 0, 3, 8)) - target) ** 2).mean().backward()
@@ -299,10 +307,7 @@ def test_removed_handle_keeps_no_reference_to_the_model() -> None:
 
 
 def test_remove_releases_model_with_a_pending_backward() -> None:
-    layer = make_layer()
-    for param in layer.parameters():
-        fsdp_like(param)
-    handle = install(layer)
+    layer, handle = _hooked_fsdp_like_layer()
     x, _ = batches(1, 1)[0][0]
     out = layer(x, (5, 0, 3, 8))  # forward only: our gradient hook sits on `out`'s graph
     handle.remove()

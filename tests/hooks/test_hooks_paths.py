@@ -100,7 +100,7 @@ def _general_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def no_lean(self, module):  # pre_forward's lean branch inlines _fast_rows: keep it off too
         check_order(self, module)
-        self.lean = False
+        self.route.lean = False
 
     monkeypatch.setattr(instrument.Site, "_check_order", no_lean)
 
@@ -200,7 +200,7 @@ def test_plain_flag_reads_switch_to_getattr_where_flags_are_absent(vectorised: b
         (site,) = handle._sites
         out = [{**r, "t_ns": None, "data_ptr": r["data_ptr"] is not None} for r in handle.records()]
         handle.remove()
-        return out, site.flag_reads
+        return out, site.route.flag_reads
 
     fast, flag_reads = records(False)
     general, _ = records(True)
@@ -223,11 +223,11 @@ def test_plain_flag_reads_survive_an_absent_main_grad() -> None:
     handle = install(module, "observe")
     (site,) = handle._sites
     _step(module)  # no main_grad anywhere: the general path records it
-    assert site.flag_reads
+    assert site.route.flag_reads
     for param in module.parameters():
         param.main_grad = param.get_main_grad()
     _step(module)
-    assert site.flag_reads and handle.summary().ok
+    assert site.route.flag_reads and handle.summary().ok
     handle.remove()
 
 
@@ -263,9 +263,10 @@ def test_containers_note_their_starting_buffers_only_where_a_backward_reads_them
     `_gbuf` they go on, and the heuristic flags what the exact answer would."""
     monkeypatch.setattr(instrument, "VECTORISED_MIN_PARAMS", 1 if vectorised else 10**9)
     calls = []
-    original = instrument.Site._current_ptrs
+    original = instrument.Slots.current_ptrs
+    handle = None  # the micro-batch each snapshot is taken at: the site's, once installed
     monkeypatch.setattr(
-        instrument.Site, "_current_ptrs", lambda self: calls.append(self.mb) or original(self)
+        instrument.Slots, "current_ptrs", lambda self: calls.append(handle._sites[0].mb) or original(self)
     )
     model = MegatronFSDP(make_layer(version="0.19.2"), "optim")
     if not exact:
@@ -274,7 +275,7 @@ def test_containers_note_their_starting_buffers_only_where_a_backward_reads_them
     handle = install(model, "observe")
     fsdp_run(model, batches(2, 3), on_step=handle.step)  # the first call builds the fused object
     (site,) = handle._sites
-    assert site.exact_overwrite is exact
+    assert site.container.exact_overwrite is exact
     assert calls == ([1] if exact else [1, 2, 1, 2])
     # optim keeps the persistent buffer: from micro-batch 1 on every backward overwrites (0.19.2 forces it)
     flagged = [r for r in handle.records() if r["anomaly"] == "overwrite_discards_microbatch"]
@@ -310,10 +311,10 @@ def test_a_steady_lean_site_records_its_forward_inline(monkeypatch: pytest.Monke
     for _ in range(3):
         _step(module)
         handle.step()
-    assert site.lean and site.fwd_calls == 3 and forwards == ["fast_rows"]
+    assert site.route.lean and site.counters.fwd_calls == 3 and forwards == ["fast_rows"]
     records = handle.records()
     handle.remove()
-    assert not site.lean  # released: the hook is a no-op from now on
+    assert not site.route.lean  # released: the hook is a no-op from now on
     assert len(records) == 18
     assert {(r["anomaly"], r["is_fsdp_param"], r["overwrite_main_grad"]) for r in records} == {
         (None, True, True)

@@ -15,6 +15,7 @@ from emulators import (
     assert_grads_equal,
     batches,
     fsdp_run,
+    hooked_run_matches,
     make_layer,
     max_rel_diff,
     reference_run,
@@ -54,12 +55,7 @@ def test_install_trains_and_matches_reference(strategy: str, microbatches: int, 
     ref_grads, ref_losses = reference_run(data)
     model = MegatronFSDP(make_layer(), strategy)
     handle = install(model, sample_every=sample_every)  # overwrite_policy="keep" (default)
-    grads, losses = fsdp_run(model, data, on_step=handle.step)
-    assert_grads_equal(grads, ref_grads)
-    assert losses == pytest.approx(ref_losses, rel=1e-6)
-    summary = handle.summary()
-    assert summary.ok, summary.table()
-    (experts,) = summary.modules
+    experts = hooked_run_matches(model, handle, data, ref_grads, ref_losses)
     assert (experts.module, experts.kind, experts.params) == ("module.experts", "fused_container", 8)
     assert experts.forward_calls == STEPS * microbatches
     # without records nothing is left to inspect in backward: no gradient hook is attached
