@@ -1,0 +1,120 @@
+"""`maingrad fix` is linear in the number of fixes: time and peak RSS against `check` on the same file.
+
+    python3 benchmarks/fix.py [--sizes 1000,2000,4000,8000,16000,41000] [--repeat 1]
+
+Each size is a generated module of backward functions with five fixable findings each (MG002, MG003 x2,
+MG008, MG009; three of them unsafe, so `fix --unsafe-fixes` is run). For every size, in fresh processes
+(interpreter start-up included) and one run of this script (a shared machine: only ratios within the run
+mean anything):
+- `maingrad check --no-cache F` (the reference);
+- `maingrad fix --unsafe-fixes --no-cache` on a copy of F: it fixes, writes, and then checks the fixed file
+  to report what is left, so it does at least the work of one `check` plus the fixing.
+Printed: seconds and peak RSS of both, fix/check ratios, fix seconds per 1k fixes (flat when linear), and
+the findings left after the fix (must be 0: every generated finding has a fix).
+
+Targets (issue 24): at 41k fixes, fix <= 2x check in time and in peak RSS; per-1k-fix time of the largest
+size within 2x of the smallest's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FIXES_PER_FUNCTION = 5
+_FUNCTION = """def backward_{i}(ctx, dy):
+    weight = ctx.weight
+    if weight.main_grad:
+        general_gemm(ctx.x, dy, out=weight.main_grad, layout="NT")
+    return weight.main_grad or dy
+
+
+"""
+
+
+def fixable_file(fixes: int) -> str:
+    return "".join(_FUNCTION.format(i=i) for i in range(fixes // FIXES_PER_FUNCTION))
+
+
+def _run(args: list[str], cwd: Path) -> tuple[float, float, str]:
+    """Run `maingrad <args>` in a child process; (wall seconds, its peak RSS in MB, stdout)."""
+    cmd = [sys.executable, "-m", "maingrad.cli", *args]
+    start = time.perf_counter()
+    process = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert process.stdout is not None
+    out = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    elapsed = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code not in (0, 1):
+        raise RuntimeError(f"{' '.join(cmd)} exited {code}")
+    return elapsed, usage.ru_maxrss / 1024, out.decode()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="1000,2000,4000,8000,16000,41000")
+    parser.add_argument("--repeat", type=int, default=1, help="best of N interleaved runs per size")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = []
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="maingrad-fix-bench-") as tmp:
+        root = Path(tmp)
+        for size in sizes:
+            (root / "f.py").write_text(fixable_file(size), encoding="utf-8")
+            best_check: tuple[float, float] | None = None
+            best_fix: tuple[float, float] | None = None
+            left = -1
+            found = -1
+            for _ in range(args.repeat):
+                seconds, rss, out = _run(
+                    ["check", "--no-cache", "--no-progress", "--format", "json", "f.py"], root
+                )
+                found = len(json.loads(out)["findings"])
+                best_check = (
+                    (seconds, rss)
+                    if best_check is None
+                    else (min(best_check[0], seconds), min(best_check[1], rss))
+                )
+                shutil.copy(root / "f.py", root / "g.py")
+                seconds, rss, _ = _run(["fix", "--unsafe-fixes", "--no-cache", "--no-progress", "g.py"], root)
+                best_fix = (
+                    (seconds, rss) if best_fix is None else (min(best_fix[0], seconds), min(best_fix[1], rss))
+                )
+                _, _, out = _run(["check", "--no-cache", "--no-progress", "--format", "json", "g.py"], root)
+                left = len(json.loads(out)["findings"])
+            assert best_check is not None and best_fix is not None
+            rows.append((size, found, left, best_check, best_fix))
+            print(
+                f"{size:>6} fixes ({found} findings): check {best_check[0]:7.2f} s {best_check[1]:6.0f} MB | "
+                f"fix {best_fix[0]:7.2f} s {best_fix[1]:6.0f} MB | time x{best_fix[0] / best_check[0]:.2f} "
+                f"memory x{best_fix[1] / best_check[1]:.2f} | fix s/1k {1000 * best_fix[0] / size:.3f} | left {left}",
+                flush=True,
+            )
+            ok &= left == 0 and found == size
+    size, _, _, check, fix = rows[-1]
+    slope = (fix[0] / rows[-1][0]) / (rows[0][4][0] / rows[0][0])
+    verdicts = [
+        (f"{size} fixes: fix/check time", fix[0] / check[0], 2.0),
+        (f"{size} fixes: fix/check peak RSS", fix[1] / check[1], 2.0),
+        (f"fix s per 1k fixes, {rows[-1][0]} vs {rows[0][0]}", slope, 2.0),
+    ]
+    for name, value, target in verdicts:
+        good = value <= target
+        ok &= good
+        print(f"{name:<40}{value:8.2f}   (target <= {target:.2f}) {'ok' if good else 'MISSED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
