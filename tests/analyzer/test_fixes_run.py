@@ -1,0 +1,319 @@
+"""Autofixes proven by running the fixed code, on CPU, against stand-ins of the real callees.
+
+A stand-in has the signature read at test time from the released package's own source (the downloaded
+megatron-core / Transformer Engine wheels, see tests/testbeds.py), so a fix that passes a keyword the real
+function does not take fails here with the same TypeError it would raise at the first backward. Its body
+does what the real GEMM does, on CPU: D = B^T A for layout "NT", written into `out` (added to it with
+`accumulate=True`), cast to `out_dtype`.
+
+Each test runs the fixed code over two micro-batches and checks the buffer against autograd's own sum (flag
+`False`: accumulate) and against the last micro-batch (flag `True`: overwrite), and runs the unfixed code the
+same way to show the assertion fails on the bug. After the fix, `check` must still report what the fix could
+not repair.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import sys
+import textwrap
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+import libcst as cst
+import pytest
+
+from maingrad.analyzer.engine import analyze_source, fix_source
+from maingrad.analyzer.rules.mg009_write_ignores_overwrite_flag import WriteIgnoresOverwriteFlag
+
+torch = pytest.importorskip("torch")
+
+
+def _load_testbeds() -> typing.Any:
+    spec = importlib.util.spec_from_file_location(
+        "maingrad_testbeds", Path(__file__).parents[1] / "testbeds.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("maingrad_testbeds", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+bed_root = _load_testbeds().testbed
+MCORE = "megatron-core-0.19.2"
+TE = "transformer-engine-2.20.2"
+_NO_DEFAULT = inspect.Parameter.empty
+
+
+def real_signature(bed: str, relpath: str, name: str) -> inspect.Signature:
+    """The signature of function `name` (the first def of that name, nested ones included) in a test bed's
+    source; defaults that are not literals become None (only the names and kinds matter for binding)."""
+    tree = ast.parse((bed_root(bed) / relpath).read_text(encoding="utf-8"))
+    func = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    args = func.args
+    params: list[inspect.Parameter] = []
+    positional = [*args.posonlyargs, *args.args]
+    defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+
+    def default(node: ast.expr | None) -> object:
+        if node is None:
+            return _NO_DEFAULT
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            return None
+
+    for index, arg in enumerate(positional):
+        kind = (
+            inspect.Parameter.POSITIONAL_ONLY
+            if index < len(args.posonlyargs)
+            else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        params.append(inspect.Parameter(arg.arg, kind, default=default(defaults[index])))
+    if args.vararg is not None:
+        params.append(inspect.Parameter(args.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+    for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+        params.append(inspect.Parameter(arg.arg, inspect.Parameter.KEYWORD_ONLY, default=default(kw_default)))
+    if args.kwarg is not None:
+        params.append(inspect.Parameter(args.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+def stand_in(signature: inspect.Signature, body: Callable[..., object]) -> Callable[..., object]:
+    """A function that binds its arguments exactly as one with `signature` would (TypeError otherwise),
+    then runs `body` on the bound arguments, defaults applied."""
+
+    def call(*args: object, **kwargs: object) -> object:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return body(**bound.arguments)
+
+    call.__signature__ = signature  # type: ignore[attr-defined]
+    return call
+
+
+def _gemm(A, B, out_dtype=None, layout="TN", out=None, accumulate=False, **_: object):  # noqa: N803
+    """TE's general_gemm on CPU for the layouts the wgrad paths use (D = B^T A for "NT")."""
+    assert layout == "NT", layout
+    result = (B.t().float() @ A.float()).to(out_dtype or A.dtype)
+    if out is None:
+        return [result, None, None, None]
+    if accumulate:
+        out.add_(result.to(out.dtype))
+    else:
+        out.copy_(result)
+    return [out, None, None, None]
+
+
+def _wrapper_gemm(A, B, out_dtype=None, layout="TN", out=None, bias=None, grad=False):  # noqa: N803
+    """megatron-core's te_general_gemm: TE's general_gemm with accumulate=False, always."""
+    return _gemm(A, B, out_dtype=out_dtype, layout=layout, out=out, accumulate=False)
+
+
+def mcore_te_general_gemm() -> Callable[..., object]:
+    signature = real_signature(MCORE, "megatron/core/extensions/transformer_engine.py", "te_general_gemm")
+    assert "accumulate" not in signature.parameters  # the wrapper the issue is about
+    return stand_in(signature, _wrapper_gemm)
+
+
+def te_general_gemm() -> Callable[..., object]:
+    signature = real_signature(TE, "transformer_engine/pytorch/cpp_extensions/gemm.py", "general_gemm")
+    assert "accumulate" in signature.parameters
+    return stand_in(signature, _gemm)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MG009 on the real megatron-core 0.19.2 layers.py
+
+
+def _fsdp_branch(source: str) -> cst.If:
+    """The `if hasattr(weight, "__fsdp_param__"):` statement of the wgrad in
+    LinearWithGradAccumulationAndAsyncCommunication.backward."""
+    module = cst.parse_module(source)
+    found: list[cst.If] = []
+
+    class Finder(cst.CSTVisitor):
+        def __init__(self) -> None:
+            self.classes: list[str] = []
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> None:
+            self.classes.append(node.name.value)
+
+        def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+            self.classes.pop()
+
+        def visit_If(self, node: cst.If) -> None:
+            test = module.code_for_node(node.test)
+            if (
+                self.classes[-1:] == ["LinearWithGradAccumulationAndAsyncCommunication"]
+                and "__fsdp_param__" in test
+            ):
+                found.append(node)
+
+    module.visit(Finder())
+    assert len(found) == 1
+    return found[0]
+
+
+def _micro_batches(
+    branch_code: str, gemm: Callable[..., object], overwrite: bool | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the FSDP branch for two micro-batches on one Megatron-FSDP-like parameter: its main_grad and
+    each micro-batch's true weight gradient."""
+    fake = types.ModuleType("megatron.core.extensions.transformer_engine")
+    fake.te_general_gemm = gemm  # type: ignore[attr-defined]
+    names = ["megatron", "megatron.core", "megatron.core.extensions"]
+    saved = {name: sys.modules.get(name) for name in [*names, fake.__name__]}
+    for name in names:
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules[fake.__name__] = fake
+    try:
+        namespace: dict[str, object] = {"torch": torch}
+        body = textwrap.indent(branch_code, "    ")
+        exec(compile(f"def wgrad(weight, total_input, grad_output):\n{body}", "<fixed>", "exec"), namespace)
+        wgrad = typing.cast(Callable[..., None], namespace["wgrad"])
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(4, 3, generator=generator, dtype=torch.bfloat16))
+        buffer = torch.zeros(4, 3, dtype=torch.float32)  # a persistent (unsharded) fp32 grad buffer
+        weight.__fsdp_param__ = True  # type: ignore[attr-defined]
+        weight.get_main_grad = lambda: buffer  # type: ignore[attr-defined]
+        if overwrite is not None:
+            weight.overwrite_main_grad = overwrite  # type: ignore[attr-defined]
+        grads = []
+        for _ in range(2):
+            x = torch.randn(5, 3, generator=generator, dtype=torch.bfloat16)
+            dy = torch.randn(5, 4, generator=generator, dtype=torch.bfloat16)
+            wgrad(weight, x, dy)
+            grads.append(dy.t().float() @ x.float())
+        return buffer, grads[0], grads[1]
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+@pytest.fixture(scope="module")
+def layers_source() -> str:
+    return (bed_root(MCORE) / "megatron/core/tensor_parallel/layers.py").read_text(encoding="utf-8")
+
+
+def test_mg009_fix_of_real_layers_py_runs_against_the_real_wrapper_signature(layers_source: str) -> None:
+    rule = WriteIgnoresOverwriteFlag()
+    fixed = fix_source(layers_source, "megatron/core/tensor_parallel/layers.py", [rule], unsafe=True)
+    assert fixed != layers_source
+    branch = cst.Module(body=[_fsdp_branch(fixed)]).code
+    gemm = mcore_te_general_gemm()
+    # Flag False (DDP-like persistent buffer): the two micro-batches add up.
+    buffer, first, second = _micro_batches(branch, gemm, overwrite=False)
+    torch.testing.assert_close(buffer, first + second, rtol=1e-5, atol=1e-5)
+    # Flag absent: the same (TE's reading: getattr(w, "overwrite_main_grad", False)).
+    buffer, first, second = _micro_batches(branch, gemm, overwrite=None)
+    torch.testing.assert_close(buffer, first + second, rtol=1e-5, atol=1e-5)
+    # Flag True (Megatron-FSDP hands out a buffer to replace): the last micro-batch only.
+    buffer, first, second = _micro_batches(branch, gemm, overwrite=True)
+    torch.testing.assert_close(buffer, second, rtol=1e-5, atol=1e-5)
+
+
+def test_mg009_the_unfixed_branch_fails_the_same_assertion(layers_source: str) -> None:
+    branch = cst.Module(body=[_fsdp_branch(layers_source)]).code
+    buffer, first, second = _micro_batches(branch, mcore_te_general_gemm(), overwrite=False)
+    torch.testing.assert_close(buffer, second, rtol=1e-5, atol=1e-5)  # the bug: micro-batch 0 is lost
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(buffer, first + second, rtol=1e-5, atol=1e-5)
+
+
+def test_mg009_an_accumulate_keyword_on_the_wrapper_raises_type_error(layers_source: str) -> None:
+    """What the earlier fix wrote: `te_general_gemm(..., accumulate=...)`. The stand-in with the real
+    signature rejects it, as the real wrapper does at the first backward."""
+    branch = cst.Module(body=[_fsdp_branch(layers_source)]).code
+    naive = branch.replace(
+        "grad=True,", 'grad=True, accumulate=not getattr(weight, "overwrite_main_grad", False),'
+    )
+    assert naive != branch
+    with pytest.raises(TypeError, match="accumulate"):
+        _micro_batches(naive, mcore_te_general_gemm(), overwrite=False)
+
+
+def test_mg009_after_the_fix_check_still_reports_the_matmul_it_cannot_fix(layers_source: str) -> None:
+    rule = WriteIgnoresOverwriteFlag()
+    path = "megatron/core/tensor_parallel/layers.py"
+    before = [f for f in analyze_source(layers_source, path, [rule]).findings]
+    fixed = fix_source(layers_source, path, [rule], unsafe=True)
+    after = analyze_source(fixed, path, [rule]).findings
+    assert len(before) == 2  # te_general_gemm(out=...) and torch.matmul(out=...)
+    assert len(after) == 1
+    assert "matmul" in after[0].message and not after[0].fix_available
+    assert fixed.splitlines()[after[0].line - 1].strip().startswith("torch.matmul(")
+    assert fix_source(fixed, path, [rule], unsafe=True) == fixed  # nothing more to do
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MG009 with TE's own general_gemm (it takes `accumulate`): the keyword fix
+
+_TE_BACKWARD = """\
+def backward(ctx, grad_output):
+    weight = ctx.weight
+    if hasattr(weight, "__fsdp_param__"):
+        weight.main_grad = weight.get_main_grad()
+        general_gemm(ctx.x, grad_output, out_dtype=weight.main_grad.dtype, layout="NT", out=weight.main_grad, accumulate=True)
+"""
+
+
+@pytest.mark.parametrize("code", [_TE_BACKWARD, _TE_BACKWARD.replace(", accumulate=True)", ")")])
+def test_mg009_keyword_fix_runs_against_te_general_gemm(code: str) -> None:
+    rule = WriteIgnoresOverwriteFlag()
+    fixed = fix_source(code, "layers.py", [rule], unsafe=True)
+    assert "accumulate=not getattr(weight" in fixed
+    assert analyze_source(fixed, "layers.py", [rule]).findings == []
+
+    def run(source: str, overwrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        namespace: dict[str, object] = {"general_gemm": te_general_gemm()}
+        exec(compile(source, "<fixed>", "exec"), namespace)
+        backward = typing.cast(Callable[..., None], namespace["backward"])
+        generator = torch.Generator().manual_seed(1)
+        weight = torch.nn.Parameter(torch.randn(4, 3, generator=generator, dtype=torch.bfloat16))
+        buffer = torch.zeros(4, 3)
+        weight.__fsdp_param__ = True  # type: ignore[attr-defined]
+        weight.get_main_grad = lambda: buffer  # type: ignore[attr-defined]
+        weight.overwrite_main_grad = overwrite  # type: ignore[attr-defined]
+        grads = []
+        for _ in range(2):
+            ctx = types.SimpleNamespace(
+                weight=weight, x=torch.randn(5, 3, generator=generator, dtype=torch.bfloat16)
+            )
+            dy = torch.randn(5, 4, generator=generator, dtype=torch.bfloat16)
+            backward(ctx, dy)
+            grads.append(dy.t().float() @ ctx.x.float())
+        return buffer, grads[0], grads[1]
+
+    buffer, first, second = run(fixed, overwrite=False)
+    torch.testing.assert_close(buffer, first + second)
+    buffer, first, second = run(fixed, overwrite=True)
+    torch.testing.assert_close(buffer, second)
+    # The unfixed code is wrong in one of the two cases (always accumulates, or always overwrites).
+    wrong = 0
+    for overwrite in (False, True):
+        buffer, first, second = run(code, overwrite)
+        expected = second if overwrite else first + second
+        wrong += not torch.allclose(buffer, expected)
+    assert wrong == 1
+
+
+def test_only_rules_declaring_fixable_yield_fixes() -> None:
+    """`maingrad rules` lists a rule as fixable exactly when it may carry a fix."""
+    from maingrad.analyzer.rules import all_rules
+
+    for rule_class in all_rules():
+        if rule_class.fixable:
+            continue
+        for example in rule_class.INVALID:
+            result = analyze_source(textwrap.dedent(example.code), "example.py", [rule_class()])
+            assert result.findings, (rule_class.id, example.code)
+            assert not any(f.fix_available for f in result.findings), rule_class.id
