@@ -10,6 +10,11 @@ training loop keeps them disabled through the first iteration, which is when laz
 take their snapshot. A snapshot is then empty (and the replay hook, registered only "if any", is never
 installed) or holds removed hooks.
 
+Not judged: a snapshot taken over `self.modules()` in a subclass of a Transformer Engine module that has no
+submodules (`RMSNorm`, `LayerNorm`, `Linear`, ...) and adds none (no `self.X = <call>`, `add_module`,
+`register_module`): it holds only the module's own hooks, and its own `__call__` runs the current ones
+anyway (megatron-core's `TEFusedResidualRMSNorm`).
+
 What is judged, per function `F`: a read of `X._forward_pre_hooks` in `F` itself that fills a local `L`
 (`L.append(...)` in a loop over the hooks, `L = [...]`, `L.extend(...)`), and a hook function nested in `F`
 that reads `L` without reading any `_forward_pre_hooks` itself, registered with
@@ -32,6 +37,10 @@ from maingrad.analyzer.syntax_index import SyntaxIndex
 from maingrad.contracts.report import Severity
 
 REGISTER = "register_forward_pre_hook"
+# Transformer Engine modules without submodules: a subclass that adds none replays, through
+# `self.modules()`, only its own hooks, which its own `__call__` already runs (current ones) at each call.
+_LEAF_MODULES = frozenset({"RMSNorm", "LayerNorm", "Linear", "LayerNormLinear", "GroupedLinear"})
+_OWN_MODULES = frozenset({"modules", "named_modules", "children", "named_children"})
 _FILL_METHODS = frozenset({"append", "extend", "insert", "add", "update", "setdefault"})
 
 
@@ -145,6 +154,30 @@ megatron-core's `TEFusedMLP._register_hooks_on_fused_impl` (0.16.1 to Megatron-L
             """
         ),
     ]
+    VALID.append(
+        # megatron-core TEFusedResidualRMSNorm: a leaf TE module replaying only its own hooks.
+        Example(
+            """\
+            class TEFusedResidualRMSNorm(te.pytorch.RMSNorm):
+                def __init__(self, *args, **kwargs):
+                    super().__init__(*args, **kwargs)
+                    self._fused_impl = None
+
+                def _register_hooks_on_fused_impl(self, fused_impl):
+                    forward_pre_hooks = []
+                    for submodule in self.modules():
+                        for hook in submodule._forward_pre_hooks.values():
+                            forward_pre_hooks.append((submodule, hook))
+                    if forward_pre_hooks:
+
+                        def forward_pre_hook(module, *_):
+                            for submodule, hook in forward_pre_hooks:
+                                hook(submodule, None)
+
+                        fused_impl.register_forward_pre_hook(forward_pre_hook)
+            """
+        )
+    )
     INVALID = [
         # megatron-bridge TEFusedLoRALinear style.
         Example(
@@ -207,7 +240,7 @@ megatron-core's `TEFusedMLP._register_hooks_on_fused_impl` (0.16.1 to Megatron-L
         for func in ctx.nodes(cst.FunctionDef):
             assert isinstance(func, cst.FunctionDef)
             snapshots = self._snapshots(ctx, func)
-            if not snapshots:
+            if not snapshots or _replays_only_itself(ctx, func, snapshots):
                 continue
             reported: set[str] = set()
             for hook, registration in self._hooks(func):
@@ -292,3 +325,46 @@ megatron-core's `TEFusedMLP._register_hooks_on_fused_impl` (0.16.1 to Megatron-L
             }:
                 return True
         return False
+
+
+def _replays_only_itself(ctx: FileContext, func: cst.FunctionDef, snapshots: dict[str, cst.CSTNode]) -> bool:
+    """Every snapshot loops over `self.modules()` (or children) of a class that derives only from TE modules
+    without submodules and never adds one: the replay then repeats the module's own hooks, which its own
+    `__call__` runs at each call anyway (the current ones), so nothing is missed."""
+    owner = ctx.enclosing(func, cst.ClassDef)
+    if not isinstance(owner, cst.ClassDef) or not owner.bases:
+        return False
+    if any(_last_name(base.value) not in _LEAF_MODULES for base in owner.bases):
+        return False
+    for node in walk.walk(owner.body):
+        if isinstance(node, cst.Call) and _last_name(node.func) in ("add_module", "register_module"):
+            return False
+        if isinstance(node, cst.Assign) and isinstance(node.value, cst.Call):
+            for target in node.targets:
+                inner = target.target
+                if (
+                    isinstance(inner, cst.Attribute)
+                    and isinstance(inner.value, cst.Name)
+                    and inner.value.value == "self"
+                ):
+                    return False
+    for statement in snapshots.values():
+        loops = [n for n in walk.walk(statement) if isinstance(n, cst.For)]
+        loops += [a for a in ctx.ancestors(statement) if isinstance(a, cst.For)]
+        sources = [loop.iter for loop in loops]
+        if not any(
+            isinstance(src, cst.Call)
+            and isinstance(src.func, cst.Attribute)
+            and src.func.attr.value in _OWN_MODULES
+            and isinstance(src.func.value, cst.Name)
+            and src.func.value.value == "self"
+            for src in sources
+        ):
+            return False
+    return True
+
+
+def _last_name(node: cst.BaseExpression) -> str | None:
+    if isinstance(node, cst.Attribute):
+        return node.attr.value
+    return node.value if isinstance(node, cst.Name) else None
