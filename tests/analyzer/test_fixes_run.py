@@ -317,3 +317,129 @@ def test_only_rules_declaring_fixable_yield_fixes() -> None:
             result = analyze_source(textwrap.dedent(example.code), "example.py", [rule_class()])
             assert result.findings, (rule_class.id, example.code)
             assert not any(f.fix_available for f in result.findings), rule_class.id
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MG010 on the real TE 2.20.2 BasicLinear.op_backward (the fix modelled on TE #2923)
+
+_BASIC_LINEAR = "transformer_engine/pytorch/ops/basic/basic_linear.py"
+_COMMON = "transformer_engine/pytorch/ops/_common.py"
+
+
+def _method_source(source: str, class_name: str, method: str) -> str:
+    tree = ast.parse(source)
+    owner = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    func = next(n for n in owner.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    return textwrap.dedent(ast.get_source_segment(source, func) or "")
+
+
+def _run_op_backward(method_code: str, overwrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run `op_backward` once on a weight whose main_grad holds an earlier micro-batch's gradient, then do
+    what Megatron's grad hook does with the returned gradient (add it into main_grad unless the op set
+    `grad_added_to_main_grad`). Returns (main_grad, earlier gradient, this micro-batch's gradient)."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(4, 3, generator=generator, dtype=torch.bfloat16))
+    earlier = torch.randn(4, 3, generator=generator)
+    weight.main_grad = earlier.clone()  # type: ignore[attr-defined]
+    weight.overwrite_main_grad = overwrite  # type: ignore[attr-defined]
+    weight.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+    weight.zero_out_wgrad = True  # type: ignore[attr-defined]
+    x = torch.randn(5, 3, generator=generator, dtype=torch.bfloat16)
+    dy = torch.randn(5, 4, generator=generator, dtype=torch.bfloat16)
+    wgrad = dy.t().float() @ x.float()
+
+    def functional_backward(*, grad_output, input, weight, grad_weight, accumulate_into_grad_weight, **_):  # noqa: A002
+        dx = grad_output @ weight
+        if grad_weight is None:
+            return dx, (grad_output.t().float() @ input.float()).to(weight.dtype)
+        if accumulate_into_grad_weight:
+            grad_weight.add_(grad_output.t().float() @ input.float())
+        else:
+            grad_weight.copy_(grad_output.t().float() @ input.float())
+        return dx, grad_weight
+
+    def main_grad_body(weight_param, op_label=""):
+        return weight_param.main_grad
+
+    def accumulate_body(weight_param):
+        return not getattr(weight_param, "overwrite_main_grad", False)
+
+    def dummies_body(weight_params):
+        out = []
+        for wp in weight_params:
+            wp.grad_added_to_main_grad = True
+            out.append(torch.zeros(wp.shape, dtype=wp.dtype))
+        return out
+
+    namespace: dict[str, object] = {
+        "torch": torch,
+        "Optional": typing.Optional,
+        "Iterable": typing.Iterable,
+        "OperationContext": object,
+        "BasicLinear": types.SimpleNamespace(_functional_backward=functional_backward),
+        "clear_tensor_data": lambda *tensors: None,
+        "get_main_grad_from_param": stand_in(
+            real_signature(TE, _COMMON, "get_main_grad_from_param"), main_grad_body
+        ),
+        "get_accumulate_flag_in_param": stand_in(
+            real_signature(TE, _COMMON, "get_accumulate_flag_in_param"), accumulate_body
+        ),
+        "get_dummy_wgrads_for_params": stand_in(
+            real_signature(TE, _COMMON, "get_dummy_wgrads_for_params"), dummies_body
+        ),
+    }
+    exec(compile(method_code, "<op_backward>", "exec"), namespace)
+    op_backward = typing.cast(Callable[..., typing.Any], namespace["op_backward"])
+    op = types.SimpleNamespace(
+        _accumulate_into_main_grad=True,
+        weight=weight,
+        tensor_parallel_mode=None,
+        tensor_parallel_group=None,
+        sequence_parallel=False,
+    )
+    ctx = types.SimpleNamespace(
+        saved_tensors=(x, weight.detach()),
+        weight_requires_grad=True,
+        input_requires_grad=True,
+        dtype=torch.bfloat16,
+        with_quantized_compute=False,
+        input_quantizer=None,
+        weight_quantizer=None,
+        grad_output_quantizer=None,
+        grad_input_quantizer=None,
+    )
+    _, (grad_weight,) = op_backward(op, ctx, dy)
+    if not weight.grad_added_to_main_grad and grad_weight is not None:  # Megatron's grad hook
+        weight.main_grad.add_(grad_weight.float())
+    return weight.main_grad, earlier, wgrad
+
+
+@pytest.fixture(scope="module")
+def basic_linear_source() -> str:
+    return (bed_root(TE) / _BASIC_LINEAR).read_text(encoding="utf-8")
+
+
+def test_mg010_fix_of_real_basic_linear_gives_the_wrapper_one_gradient(basic_linear_source: str) -> None:
+    from maingrad.analyzer.rules.mg010_grad_added_decided_by_overwrite_flag import (
+        GradAddedDecidedByOverwriteFlag,
+    )
+
+    rule = GradAddedDecidedByOverwriteFlag()
+    fixed = fix_source(basic_linear_source, _BASIC_LINEAR, [rule], unsafe=True)
+    assert analyze_source(fixed, _BASIC_LINEAR, [rule]).findings == []
+    method = _method_source(fixed, "BasicLinear", "op_backward")
+    assert "if ctx.weight_requires_grad and self._accumulate_into_main_grad:" in method
+    # Overwrite (Megatron-FSDP sharded strategies): main_grad holds this micro-batch's gradient once.
+    main_grad, _, wgrad = _run_op_backward(method, overwrite=True)
+    torch.testing.assert_close(main_grad, wgrad, rtol=1e-2, atol=1e-2)
+    # Accumulate (DDP): the earlier gradient plus this one.
+    main_grad, earlier, wgrad = _run_op_backward(method, overwrite=False)
+    torch.testing.assert_close(main_grad, earlier + wgrad, rtol=1e-2, atol=1e-2)
+
+
+def test_mg010_the_unfixed_op_backward_doubles_the_gradient(basic_linear_source: str) -> None:
+    method = _method_source(basic_linear_source, "BasicLinear", "op_backward")
+    main_grad, _, wgrad = _run_op_backward(method, overwrite=True)
+    torch.testing.assert_close(main_grad, 2 * wgrad, rtol=1e-2, atol=1e-2)  # the bug: added a second time
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(main_grad, wgrad, rtol=1e-2, atol=1e-2)
