@@ -443,3 +443,67 @@ def test_mg010_the_unfixed_op_backward_doubles_the_gradient(basic_linear_source:
     torch.testing.assert_close(main_grad, 2 * wgrad, rtol=1e-2, atol=1e-2)  # the bug: added a second time
     with pytest.raises(AssertionError):
         torch.testing.assert_close(main_grad, wgrad, rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MG011: the replay reads the hooks at call time (the fix modelled on Megatron-LM #6132)
+
+
+def _lora_class(code: str) -> type:
+    """The rule's megatron-bridge-style example as a real nn.Module with one wrapped submodule."""
+    namespace: dict[str, object] = {}
+    exec(compile(code, "<lora>", "exec"), namespace)
+    base = typing.cast(type, namespace["TEFusedLoRALinear"])
+
+    class Lora(base, torch.nn.Module):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+            self.to_wrap = torch.nn.Linear(2, 2)
+
+        def _make_main_branch(self) -> torch.nn.Module:
+            return torch.nn.Identity()
+
+    return Lora
+
+
+def _replays_hooks_registered_after_build(code: str) -> tuple[list[str], list[str]]:
+    layer = _lora_class(code)()
+    calls: list[str] = []
+    early = layer.to_wrap.register_forward_pre_hook(lambda *_: calls.append("early"))
+    early.remove()  # Megatron-LM's first iteration: DDP's pre-forward hooks disabled while the branch is built
+    branch = layer._make_fused_branches()
+    branch(torch.zeros(1))
+    first = list(calls)
+    layer.to_wrap.register_forward_pre_hook(lambda *_: calls.append("enabled"))  # enable_forward_pre_hook
+    calls.clear()
+    branch(torch.zeros(1))
+    return first, list(calls)
+
+
+def test_mg011_fix_replays_the_hooks_registered_now() -> None:
+    from maingrad.analyzer.rules.mg011_stale_hook_snapshot import StaleHookSnapshot
+
+    code = textwrap.dedent(StaleHookSnapshot.INVALID[0].code)
+    fixed = fix_source(code, "lora_layers.py", [StaleHookSnapshot()], unsafe=True)
+    assert analyze_source(fixed, "lora_layers.py", [StaleHookSnapshot()]).findings == []
+    assert _replays_hooks_registered_after_build(fixed) == ([], ["enabled"])
+    # The shipped shape: nothing is replayed, ever (the snapshot was empty, so no replay was registered).
+    assert _replays_hooks_registered_after_build(code) == ([], [])
+
+
+def test_mg011_fix_on_real_bridge_and_no_fix_where_the_shape_differs() -> None:
+    from maingrad.analyzer.rules.mg011_stale_hook_snapshot import StaleHookSnapshot
+
+    rule = StaleHookSnapshot()
+    bridge = "megatron/bridge/peft/lora_layers.py"
+    source = (bed_root("megatron-bridge-0.3.1") / bridge).read_text(encoding="utf-8")
+    fixed = fix_source(source, bridge, [rule], unsafe=True)
+    assert analyze_source(fixed, bridge, [rule]).findings == []
+    assert "for hook in list(submodule._forward_pre_hooks.values()):" in fixed
+    compile(fixed, bridge, "exec")
+    # megatron-core 0.19.2's TEFusedMLP replays hooks with kwargs: no fix, the finding stays after `fix`.
+    te_ext = "megatron/core/extensions/transformer_engine.py"
+    source = (bed_root(MCORE) / te_ext).read_text(encoding="utf-8")
+    (finding,) = analyze_source(source, te_ext, [rule]).findings
+    assert not finding.fix_available
+    assert len(analyze_source(fix_source(source, te_ext, [rule], unsafe=True), te_ext, [rule]).findings) == 1
