@@ -449,6 +449,8 @@ def _refresh_fix(ctx: FileContext, snapshot: cst.CSTNode, hook: cst.FunctionDef,
     if replay is None or not isinstance(replay.target, cst.Tuple):
         return None
     replay_module, replay_hook = (e.value for e in replay.target.elements)
+    if not isinstance(replay_module, cst.Name) or not isinstance(replay_hook, cst.Name):
+        return None
     own = code_of(outer.iter).replace(" ", "") in ("self.modules()", "self.children()")
     keep = f"{name}.append({module_var})\n"
     if own:
