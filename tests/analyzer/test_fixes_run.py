@@ -507,3 +507,92 @@ def test_mg011_fix_on_real_bridge_and_no_fix_where_the_shape_differs() -> None:
     (finding,) = analyze_source(source, te_ext, [rule]).findings
     assert not finding.fix_available
     assert len(analyze_source(fix_source(source, te_ext, [rule], unsafe=True), te_ext, [rule]).findings) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The other rules' fixes, on their own documented examples: fix_source must write the example's `fixed`
+# text, and running both versions in the scenario the rule is about shows the original fail and the fix work.
+
+
+def _example(rule_id: str, index: int) -> tuple[str, str]:
+    from maingrad.analyzer.rules import rules_by_id
+
+    rule_class = rules_by_id()[rule_id]
+    example = rule_class.INVALID[index]
+    code = textwrap.dedent(example.code)
+    fixed = fix_source(code, "example.py", [rule_class()], unsafe=True)
+    assert example.fixed is not None and fixed == textwrap.dedent(example.fixed)
+    assert not [f for f in analyze_source(fixed, "example.py", [rule_class()]).findings if f.rule == rule_id]
+    return code, fixed
+
+
+def _load(code: str, **names: object) -> dict[str, object]:
+    namespace: dict[str, object] = {"torch": torch, **names}
+    exec(compile(code, "<example>", "exec"), namespace)
+    return namespace
+
+
+def test_mg003_fix_reads_presence_not_the_tensor_value() -> None:
+    code, fixed = _example("MG003", 7)  # grad = param.main_grad or param.grad
+    wrapped_code = f"def pick(param):\n{textwrap.indent(code, '    ')}    return grad\n"
+    wrapped_fixed = f"def pick(param):\n{textwrap.indent(fixed, '    ')}    return grad\n"
+    param = types.SimpleNamespace(main_grad=torch.zeros(()), grad=torch.ones(()))  # a present, zero main_grad
+    original = typing.cast(Callable[..., typing.Any], _load(wrapped_code)["pick"])
+    repaired = typing.cast(Callable[..., typing.Any], _load(wrapped_fixed)["pick"])
+    assert original(param) is param.grad  # the bug: a zero main_grad reads as missing
+    assert repaired(param) is param.main_grad
+    multi = types.SimpleNamespace(main_grad=torch.zeros(3), grad=None)
+    with pytest.raises(RuntimeError):
+        original(multi)  # a multi-element tensor has no truth value
+    assert repaired(multi) is multi.main_grad
+    assert repaired(types.SimpleNamespace(main_grad=None, grad=param.grad)) is param.grad
+
+
+def test_mg004_fix_falls_back_to_main_grad_under_ddp() -> None:
+    code, fixed = _example("MG004", 3)
+    ddp_weight = types.SimpleNamespace(main_grad=torch.zeros(2, 3))  # Megatron DDP: no get_main_grad
+    x, dy = torch.ones(4, 3), torch.ones(4, 2)
+    with pytest.raises(AttributeError):
+        typing.cast(Callable[..., None], _load(code)["wgrad"])(ddp_weight, x, dy)
+    typing.cast(Callable[..., None], _load(fixed)["wgrad"])(ddp_weight, x, dy)
+    torch.testing.assert_close(ddp_weight.main_grad, dy.t() @ x)
+    fsdp_buffer = torch.zeros(2, 3)
+    fsdp_weight = types.SimpleNamespace(get_main_grad=lambda: fsdp_buffer, main_grad=None)
+    typing.cast(Callable[..., None], _load(fixed)["wgrad"])(fsdp_weight, x, dy)
+    torch.testing.assert_close(fsdp_buffer, dy.t() @ x)
+
+
+def test_mg008_fix_keeps_the_wrapper_hook_from_adding_again() -> None:
+    code, fixed = _example("MG008", 1)
+
+    def run(source: str) -> torch.Tensor:
+        weight = torch.nn.Parameter(torch.zeros(2, 3))
+        weight.main_grad = torch.zeros(2, 3)  # type: ignore[attr-defined]
+        weight.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        ctx = types.SimpleNamespace(weight=weight, x=torch.ones(4, 3))
+        returned = typing.cast(Callable[..., typing.Any], _load(source)["_wgrad_backward"])(
+            ctx, torch.ones(4, 2)
+        )
+        if not weight.grad_added_to_main_grad:  # Megatron DDP's grad hook: main_grad += param.grad
+            weight.main_grad.add_(returned)  # type: ignore[attr-defined]
+        return weight.main_grad  # type: ignore[attr-defined, no-any-return]
+
+    with pytest.raises(TypeError):
+        run(code)  # the hook trips on the None gradient
+    torch.testing.assert_close(run(fixed), torch.ones(4, 2).t() @ torch.ones(4, 3))
+
+
+def test_mg002_fix_exposes_the_fsdp_buffer_before_the_kernel() -> None:
+    code, fixed = _example("MG002", 2)
+
+    def accum(total_input, grad_output, main_grad):  # apex's fused_weight_gradient_mlp_cuda kernel, on CPU
+        main_grad.add_(grad_output.t().float() @ total_input.float())
+
+    buffer = torch.zeros(2, 3)
+    weight = types.SimpleNamespace(main_grad=None, get_main_grad=lambda: buffer, __fsdp_param__=True)
+    x, dy = torch.ones(4, 3), torch.ones(4, 2)
+    names = {"wgrad_gemm_accum_fp32": accum, "wgrad_gemm_accum_fp16": accum}
+    with pytest.raises(AttributeError):
+        typing.cast(Callable[..., None], _load(code, **names)["wgrad"])(weight, x, dy)
+    typing.cast(Callable[..., None], _load(fixed, **names)["wgrad"])(weight, x, dy)
+    torch.testing.assert_close(buffer, dy.t() @ x)
