@@ -596,3 +596,37 @@ def test_mg002_fix_exposes_the_fsdp_buffer_before_the_kernel() -> None:
         typing.cast(Callable[..., None], _load(code, **names)["wgrad"])(weight, x, dy)
     typing.cast(Callable[..., None], _load(fixed, **names)["wgrad"])(weight, x, dy)
     torch.testing.assert_close(buffer, dy.t() @ x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The splicing fixer (maingrad.analyzer.fixes) against the whole-module libcst transform it replaced
+
+
+def test_spliced_and_piecewise_fixes_equal_the_whole_module_transform(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from maingrad.analyzer import segments
+    from maingrad.analyzer.context import FileContext
+    from maingrad.analyzer.engine import parse
+    from maingrad.analyzer.fixes import apply_fixes
+    from maingrad.analyzer.rules import all_rules
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    try:
+        from fix import fixable_file  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    header = "import torch\n\n\n# a comment before the first function\n"
+    source = header + fixable_file(300) + "def last(p):\n    return p.main_grad or 1"  # no final newline
+    rules = [rule() for rule in all_rules()]
+    module = parse(source, "f.py")
+    assert isinstance(module, cst.Module)
+    ctx = FileContext(path="f.py", source=source, module=module)
+    fixes = [v.fix for rule in rules for v in rule.check(ctx) if v.fix is not None]
+    assert len(fixes) > 300
+    reference = apply_fixes(module, fixes).code
+    assert fix_source(source, "f.py", rules, unsafe=True) == reference
+    monkeypatch.setenv("MAINGRAD_SEGMENT_MIN_CHARS", "0")
+    monkeypatch.setattr(segments, "CHUNK_CHARS", 2_000)
+    monkeypatch.setattr(segments, "GROUP_CHARS", 5_000)
+    assert fix_source(source, "f.py", rules, unsafe=True) == reference
