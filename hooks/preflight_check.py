@@ -90,7 +90,7 @@ from typing import Any, cast
 import torch
 
 from maingrad.contracts.anomalies import ANOMALIES, PREFLIGHT_ANOMALIES
-from maingrad.contracts.records import SCHEMA_VERSION, WHOLE_CALL
+from maingrad.contracts.records import WHOLE_CALL, new_record, record_id
 from maingrad.hooks.preflight_state import BufferState, RngPair, RngState
 from maingrad.hooks.preflight_wrappers import Adapter, Entry, choose, normalize_name
 
@@ -315,33 +315,19 @@ class PreflightResult:
         out: list[dict[str, Any]] = []
 
         def add(**fields: Any) -> None:
-            rec = {
-                "schema": SCHEMA_VERSION,
-                "id": f"{run}:{rank}:preflight-{len(out)}",
+            base: dict[str, Any] = {
+                "id": record_id(run, rank, f"preflight-{len(out)}"),
                 "run": run,
                 "rank": rank,
                 "step": 0,
-                "microbatch": 0,
                 "phase": "preflight",
                 "module": "*",
                 "param": WHOLE_CALL,
-                "has_main_grad": False,
-                "main_grad_is_none": None,
-                "dtype": None,
-                "shape": None,
-                "device": None,
-                "data_ptr": None,
-                "overwrite_main_grad": None,
-                "grad_added_to_main_grad": None,
-                "is_fsdp_param": False,
-                "action": "none",
-                "anomaly": None,
                 "mode": "check",
                 "commit": commit,
                 "t_ns": t_ns,
             }
-            rec.update(fields)
-            out.append(rec)
+            out.append(new_record(**{**base, **fields}))
 
         add(module=f"preflight:{self.wrapper}" + (f":{self.strategy}" if self.strategy else ""),
             anomaly="preflight_error" if self.status == "error" else None)  # fmt: skip
