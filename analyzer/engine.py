@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ast
 import re
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import libcst as cst
 
@@ -28,6 +30,10 @@ from maingrad.analyzer.segments import pieces as segment_pieces
 from maingrad.analyzer.segments import split as split_segments
 from maingrad.analyzer.syntax_index import build_index, gate_enabled
 from maingrad.contracts.report import Finding, ParseError, Severity, fingerprint
+
+if TYPE_CHECKING:
+    from maingrad.analyzer.fixes import Edit
+    from maingrad.analyzer.suppressions import Suppressions
 
 SNIPPET_MAX_LINES = 20
 
@@ -358,44 +364,224 @@ def fix_source(
     honor_suppressions: bool = False,
     gate: bool | None = None,
 ) -> str:
-    """Source after applying every (safe, or also unsafe) fix, repeated until nothing changes.
+    """Source after applying every (safe, or also unsafe) fix.
 
     Unparsable input is returned unchanged. Each round re-parses (and re-gates), so fixes never see stale
-    nodes. With `honor_suppressions`, violations silenced by a `# maingrad: ignore` comment are not fixed
-    either. `gate` as in `analyze_source`.
+    nodes; a further round runs only when a round had to drop a replacement (two fixes on one node, or a
+    replaced node inside another), so a second `fix` finds nothing more. A round costs what `check` costs
+    plus the touched statements (see `maingrad.analyzer.fixes`): large files are fixed piece by piece like
+    they are checked (`maingrad.analyzer.segments`). With `honor_suppressions`, violations silenced by a
+    `# maingrad: ignore` comment are not fixed either. `gate` as in `analyze_source`.
     """
-    from maingrad.analyzer.fixes import apply_fixes
-    from maingrad.analyzer.suppressions import parse_suppressions
-
     settings = settings or RuleSettings()
     current = source
-    for _ in range(max_rounds):
-        active = gated_rules(current, path, needed_rules(current, rules), settings, gate)
-        if not active:
-            return current
-        parsed = parse(current, path)
-        if isinstance(parsed, ParseError):
-            return current
-        ctx = FileContext(path=path, source=current, module=parsed, settings=settings)
-        suppressions = parse_suppressions(current) if honor_suppressions else None
-        positions = _positions(ctx)
-        fixes = []
-        for rule in active:
-            for violation in rule.check(ctx):
-                if violation.fix is None or not (violation.fix.safe or unsafe):
-                    continue
-                if suppressions is not None and not suppressions.empty:
-                    lines = [positions[violation.node].start.line]
-                    statement_line = _statement_line(ctx, violation.node, positions)
-                    if statement_line is not None:
-                        lines.append(statement_line)
-                    if suppressions.suppresses(rule.id, lines):
-                        continue
-                fixes.append(violation.fix)
-        if not fixes:
-            return current
-        updated = apply_fixes(parsed, fixes).code
-        if updated == current:
-            return current
-        current = updated
+    with gcpause.paused():
+        for _ in range(max_rounds):
+            updated, again = _fix_round(current, path, rules, settings, unsafe, honor_suppressions, gate)
+            if updated == current:
+                return current
+            current = updated
+            if not again:
+                break
     return current
+
+
+def _fix_round(
+    source: str,
+    path: str,
+    rules: Sequence[Rule],
+    settings: RuleSettings,
+    unsafe: bool,
+    honor_suppressions: bool,
+    gate: bool | None,
+) -> tuple[str, bool]:
+    """One round of fixes: (new source, whether another round is needed)."""
+    from maingrad.analyzer.suppressions import parse_suppressions
+
+    needed = needed_rules(source, rules)
+    if not needed:
+        return source, False
+    suppressions = parse_suppressions(source) if honor_suppressions else None
+    if suppressions is not None and suppressions.empty:
+        suppressions = None
+    if len(source) >= min_segment_chars():
+        segmented = _fix_segmented(source, path, needed, settings, unsafe, suppressions, gate)
+        if segmented is not None:
+            return segmented
+    return _fix_whole(source, path, needed, settings, unsafe, suppressions, gate)
+
+
+def _fix_whole(
+    source: str,
+    path: str,
+    needed: Sequence[Rule],
+    settings: RuleSettings,
+    unsafe: bool,
+    suppressions: Suppressions | None,
+    gate: bool | None,
+) -> tuple[str, bool]:
+    from maingrad.analyzer.fixes import apply_fixes, splice
+
+    checked = _check_module(source, path, needed, settings, gate, False, FileResult(path=path))
+    if checked is None or isinstance(checked, ParseError):
+        return source, False
+    ctx, collected, tree = checked
+    positions = _positions(ctx, tree)
+    fixes = _fixes_to_apply(ctx, collected, unsafe, suppressions, positions, None)
+    if not fixes:
+        return source, False
+    edits = _fix_edits(ctx, fixes, positions, None, None)
+    if edits is not None:
+        fixed = splice(source, edits[0])
+        if fixed is not None:
+            return fixed, edits[1]
+    return apply_fixes(ctx.module, fixes).code, True  # the whole-module transform: always right
+
+
+def _fix_segmented(
+    source: str,
+    path: str,
+    needed: Sequence[Rule],
+    settings: RuleSettings,
+    unsafe: bool,
+    suppressions: Suppressions | None,
+    gate: bool | None,
+) -> tuple[str, bool] | None:
+    """A round on a large file, piece by piece as `_analyze_segmented` checks it; None when the file cannot
+    be split, or a piece's edit does not map back onto the file (the caller then fixes it whole)."""
+    from maingrad.analyzer.fixes import splice
+
+    chunks = split_segments(source)
+    if chunks is None:
+        return None
+    file_lines = _line_starts(source)
+    edits: list[Edit] = []
+    again = False
+    for piece in segment_pieces(source, chunks, lambda text: bool(needed_rules(text, needed))):
+        checked = _check_module(
+            piece.source,
+            path,
+            needed_rules(piece.source, needed),
+            settings,
+            gate,
+            False,
+            FileResult(path=path),
+        )
+        if checked is None:
+            continue
+        if isinstance(checked, ParseError):
+            return None
+        ctx, collected, tree = checked
+        positions = _positions(ctx, tree)
+        fixes = _fixes_to_apply(ctx, collected, unsafe, suppressions, positions, piece)
+        if fixes:
+            found = _fix_edits(ctx, fixes, positions, piece, file_lines)
+            if found is None:
+                return None
+            edits.extend(found[0])
+            again |= found[1]
+        del ctx, collected, tree, checked, positions
+    fixed = splice(source, edits)
+    return None if fixed is None else (fixed, again)
+
+
+def _line_starts(text: str) -> list[int]:
+    """Offsets where each line begins, lines ending at `\n` only (as `segments` counts them)."""
+    return [0, *(m.end() for m in re.finditer("\n", text))]
+
+
+def _fixes_to_apply(
+    ctx: FileContext,
+    collected: Iterable[tuple[Rule, Violation]],
+    unsafe: bool,
+    suppressions: Suppressions | None,
+    positions: LazyPositions,
+    piece: Piece | None,
+) -> list[Fix]:
+    """The fixes of the collected violations that this run applies: safe ones (unsafe too with `unsafe`),
+    on the piece's own lines, not silenced by a suppression comment."""
+    fixes: list[Fix] = []
+    for rule, violation in collected:
+        if violation.fix is None or not (violation.fix.safe or unsafe):
+            continue
+        if piece is None and suppressions is None:
+            fixes.append(violation.fix)
+            continue
+        line = positions[violation.node].start.line
+        if piece is not None and not piece.is_own(line):
+            continue
+        if suppressions is not None:
+            lines = [line]
+            statement_line = _statement_line(ctx, violation.node, positions)
+            if statement_line is not None:
+                lines.append(statement_line)
+            if piece is not None:
+                lines = [piece.file_line(n) for n in lines]
+            if suppressions.suppresses(rule.id, lines):
+                continue
+        fixes.append(violation.fix)
+    return fixes
+
+
+def _fix_edits(
+    ctx: FileContext,
+    fixes: Sequence[Fix],
+    positions: LazyPositions,
+    piece: Piece | None,
+    file_lines: list[int] | None,
+) -> tuple[list[Edit], bool] | None:
+    """One text edit per replaced node (its span, `LazyPositions.span`, gets the replacement's code), and
+    whether a replacement was dropped; None when a span does not verify or map onto the file (see
+    `maingrad.analyzer.fixes`)."""
+    from maingrad.analyzer.fixes import Edit, merge, node_code
+
+    replacements, dropped = merge(fixes)
+    keys = {id(node) for node in replacements}
+    piece_lines = _line_starts(ctx.source) if piece is not None else None
+    newline = ctx.module.default_newline
+    edits: list[Edit] = []
+    for old, new in replacements.items():
+        blocks: list[cst.IndentedBlock] = []
+        inside_module = False
+        outer = False
+        for ancestor in ctx.ancestors(old):
+            if id(ancestor) in keys:
+                outer = True  # an enclosing replacement wins, as in a whole-module transform
+                break
+            if isinstance(ancestor, cst.IndentedBlock):
+                blocks.append(ancestor)
+            elif isinstance(ancestor, cst.Module):
+                inside_module = True
+        if outer:
+            dropped = True  # the next round looks again
+            continue
+        if not inside_module or isinstance(old, cst.Module):
+            return None
+        indents = [b.indent if b.indent is not None else ctx.module.default_indent for b in reversed(blocks)]
+        start, end = positions.span(old)
+        old_text = ctx.source[start:end]
+        new_text = node_code(ctx.module, new, indents)  # type: ignore[arg-type]
+        generated = node_code(ctx.module, old, indents)
+        if generated != old_text:
+            # The last statement of a file without a final newline: codegen drops that newline too.
+            if not (generated == old_text + newline and end == len(ctx.source)):
+                return None
+            new_text = new_text.removesuffix(newline)
+        if piece is not None:
+            assert piece_lines is not None and file_lines is not None
+            mapped_start = _file_offset(start, piece, piece_lines, file_lines)
+            mapped_end = _file_offset(end, piece, piece_lines, file_lines)
+            if mapped_start is None or mapped_end is None or mapped_end - mapped_start != end - start:
+                return None
+            start, end = mapped_start, mapped_end
+        edits.append(Edit(start, end, old_text, new_text))
+    return edits, dropped
+
+
+def _file_offset(offset: int, piece: Piece, piece_lines: list[int], file_lines: list[int]) -> int | None:
+    """The file offset of a piece offset (its line mapped through the piece's line map)."""
+    index = bisect_right(piece_lines, offset) - 1
+    file_line = piece.file_line(index + 1)
+    if not 1 <= file_line <= len(file_lines):
+        return None
+    return file_lines[file_line - 1] + offset - piece_lines[index]

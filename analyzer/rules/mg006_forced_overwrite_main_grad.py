@@ -15,6 +15,10 @@ What is not flagged, and why:
   attribute is absent (`getattr(w, "overwrite_main_grad", False)`), so it never discards gradients; it is the
   usual reset after a manual `main_grad.zero_()`;
 * test files (`tests/`, `test_*.py`, `*_test.py`, `conftest.py`), which set the flag to build a scenario.
+
+Known false alarm: the rule sees one file, so it cannot tell that the wrapper of the same release forces
+the flag `True` itself (megatron-core 0.19.2's Megatron-FSDP does, on every unshard): there the assignment
+is redundant, not harmful. No fix is offered (see the rule's docs).
 """
 
 from __future__ import annotations
@@ -35,37 +39,14 @@ from maingrad.analyzer.rules._common import (
     is_before,
     literal_value,
     local_bindings,
-    own_nodes,
     single_binding,
     string_value,
 )
-from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
+from maingrad.analyzer.rules.base import Example, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex, pos
 from maingrad.contracts.report import Severity
 
 _STRATEGY = re.compile(r"strateg", re.IGNORECASE)
-# Calls that may appear in a loop header or guard we delete together with the assignment.
-_PURE_CALLS = frozenset(
-    {
-        "hasattr",
-        "getattr",
-        "isinstance",
-        "callable",
-        "parameters",
-        "named_parameters",
-        "modules",
-        "named_modules",
-        "children",
-        "zip",
-        "range",
-        "enumerate",
-        "chain",
-        "list",
-        "tuple",
-        "values",
-        "items",
-    }
-)
 
 
 def _is_truthy_constant(node: cst.BaseExpression, bindings: dict[str, list[cst.BaseExpression]]) -> bool:
@@ -93,19 +74,6 @@ def _forced_value(small: cst.BaseSmallStatement) -> cst.BaseExpression | None:
     return None
 
 
-def _is_pure(node: cst.CSTNode) -> bool:
-    """Evaluating (or no longer evaluating) it has no side effect: names, constants, comparisons and calls
-    to attribute probes and parameter iterators."""
-    for inner in own_nodes(node, cst.Call, cst.NamedExpr, cst.Yield, cst.Await):
-        if not isinstance(inner, cst.Call):
-            return False
-        func = inner.func
-        name = func.attr.value if isinstance(func, cst.Attribute) else dotted_name(func)
-        if name not in _PURE_CALLS:
-            return False
-    return True
-
-
 def _strategy_guarded(ctx: FileContext, node: cst.CSTNode) -> bool:
     """A test on the sharding strategy before `node` in its function makes the value strategy-derived."""
     func = enclosing_function(ctx, node)
@@ -124,7 +92,6 @@ class ForcedOverwriteMainGrad(Rule):
     severity = Severity.WARNING
     summary = "`overwrite_main_grad` forced to a constant `True` outside the data-parallel wrapper"
     needles = (FLAG,)
-    fixable = True
     docs = """\
 ## What it does
 Finds code outside the data-parallel wrapper that sets `param.overwrite_main_grad` to a constant `True`
@@ -154,13 +121,22 @@ for param in linear.parameters(recurse=False):
     ...
 ```
 or derive it from the strategy (`param.overwrite_main_grad = strategy in ("optim_grads",
-"optim_grads_params")`). The (unsafe) fix deletes the assignment, together with a guard or loop that would
-be left empty.
+"optim_grads_params")`).
+
+No automatic fix: deleting the assignment changes what the code promises its callers, and upstream pins
+that promise in a test (Megatron-LM main's
+`tests/unit_tests/transformer/moe/test_grouped_mlp.py::test_make_fused_impl_pre_forward_hook_exposes_fsdp_main_grad_for_fused_wgrad`
+asserts the flag is `True` after the hook); the assignment, the test and the strategy the wrapper derives
+the flag from have to change together, by hand.
 
 ## In real code
-megatron-core 0.19.2 (and Megatron-LM main) `TEGroupedMLP._ensure_main_grad` sets `overwrite_main_grad = True`
-on every expert weight before the fused forward; measured on an H200, with two micro-batches and unsharded
-gradients the expert gradients are 0.71 (relative) away from autograd's own accumulation.
+Megatron-LM main `TEGroupedMLP._ensure_main_grad` sets `overwrite_main_grad = True` on every expert weight
+before the fused forward, overriding the value Megatron-FSDP derives from its sharding strategy since
+PR #6357 (`optim_grads`/`optim_grads_params` only); measured on an H200, with two micro-batches and
+unsharded gradients the expert gradients are 0.71 (relative) away from autograd's own accumulation. The
+same line in megatron-core 0.19.2 is harmless there (a known false alarm of this per-file rule): 0.19.2's
+Megatron-FSDP itself sets the flag `True` on every unshard, whatever the strategy, so the assignment
+changes nothing.
 """
 
     VALID = [
@@ -217,7 +193,7 @@ gradients the expert gradients are 0.71 (relative) away from autograd's own accu
         ),
     ]
     INVALID = [
-        # megatron-core 0.19.2's TEGroupedMLP._ensure_main_grad.
+        # Megatron-LM main's TEGroupedMLP._ensure_main_grad.
         Example(
             """\
             def _ensure_main_grad(linear_module):
@@ -230,16 +206,8 @@ gradients the expert gradients are 0.71 (relative) away from autograd's own accu
                 return linear_module
             """,
             line=7,
-            fixed="""\
-            def _ensure_main_grad(linear_module):
-                for param in linear_module.parameters(recurse=False):
-                    get_main_grad = getattr(param, "get_main_grad", None)
-                    if get_main_grad is not None and getattr(param, "main_grad", None) is None:
-                        param.main_grad = get_main_grad()
-                return linear_module
-            """,
         ),
-        # setattr form; the loop would be left empty, so it goes too.
+        # setattr form.
         Example(
             """\
             def force(module):
@@ -249,13 +217,8 @@ gradients the expert gradients are 0.71 (relative) away from autograd's own accu
                 return x
             """,
             line=4,
-            fixed="""\
-            def force(module):
-                x = 1
-                return x
-            """,
         ),
-        # Other statements on the same line stay; a constant bound to a local still counts.
+        # A constant bound to a local still counts; one finding per assignment.
         Example(
             """\
             def force(weight, bias):
@@ -264,13 +227,8 @@ gradients the expert gradients are 0.71 (relative) away from autograd's own accu
                 bias.overwrite_main_grad: bool = True
             """,
             line=3,
-            fixed="""\
-            def force(weight, bias):
-                flag = True
-                weight.main_grad = weight.get_main_grad()
-            """,
         ),
-        # A block whose only statement goes, behind a test with side effects: `pass` keeps it valid.
+        # Behind a test that is not about the sharding strategy.
         Example(
             """\
             def force(weight):
@@ -280,13 +238,6 @@ gradients the expert gradients are 0.71 (relative) away from autograd's own accu
                     weight.overwrite_main_grad = False
             """,
             line=3,
-            fixed="""\
-            def force(weight):
-                if prepare(weight):
-                    pass
-                else:
-                    weight.overwrite_main_grad = False
-            """,
         ),
     ]
 
@@ -318,11 +269,6 @@ gradients the expert gradients are 0.71 (relative) away from autograd's own accu
                 if in_wrapper(ctx, line) or _strategy_guarded(ctx, line):
                     continue
                 flagged.append((line, small))
-        whole_lines = {
-            line
-            for line, small in flagged
-            if len(line.body) == 1 and not (isinstance(small, cst.Assign) and len(small.targets) > 1)
-        }
         for line, small in flagged:
             yield Violation(
                 node=small,
@@ -332,60 +278,7 @@ gradients the expert gradients are 0.71 (relative) away from autograd's own accu
                     "sharding strategy the data-parallel wrapper runs: with unsharded gradients (DDP, "
                     "Megatron-FSDP `no_shard`/`optim`) and several micro-batches per step, a backward that "
                     "reads it discards the earlier micro-batches' gradients; leave the flag to the wrapper "
-                    "(delete this assignment) or derive it from the sharding strategy"
+                    "(delete this assignment, and the tests that pin it) or derive it from the sharding "
+                    "strategy"
                 ),
-                fix=None
-                if isinstance(small, cst.Assign) and len(small.targets) > 1
-                else _deletion_fix(ctx, line, small, whole_lines),
             )
-
-
-def _deletion_fix(
-    ctx: FileContext,
-    line: cst.SimpleStatementLine,
-    small: cst.BaseSmallStatement,
-    whole_lines: set[cst.SimpleStatementLine],
-) -> Fix:
-    """Delete `small`; a line, guard or loop left empty goes too, else `pass` keeps the block valid.
-
-    `whole_lines` are the lines this rule deletes entirely: when they fill a block, the first one's fix
-    handles the block (so applying every fix at once never leaves an empty block) and the others only
-    delete themselves.
-    """
-    description = "delete the forced `overwrite_main_grad` assignment"
-    if len(line.body) > 1:
-        rest = [s for s in line.body if s is not small]
-        rest[-1] = rest[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
-        return Fix({line: line.with_changes(body=rest)}, description, safe=False)
-    node: cst.CSTNode = line
-    while True:
-        block = ctx.parent(node)
-        if not isinstance(block, cst.IndentedBlock):
-            return Fix({node: cst.RemovalSentinel.REMOVE}, description, safe=False)
-        survivors = [s for s in block.body if s is not node and s not in whole_lines]
-        first_deleted = next(s for s in block.body if s is node or s in whole_lines)
-        if survivors or (node is line and first_deleted is not node):
-            return Fix({node: cst.RemovalSentinel.REMOVE}, description, safe=False)
-        owner = ctx.parent(block)
-        removable = (
-            isinstance(owner, cst.If)
-            and owner.orelse is None
-            and owner.body is block
-            and _is_pure(owner.test)
-        ) or (
-            isinstance(owner, cst.For)
-            and owner.orelse is None
-            and owner.body is block
-            and _is_pure(owner.iter)
-        )
-        if not removable or owner is None:
-            return Fix({node: _pass_like(node)}, description, safe=False)
-        node = owner
-        whole_lines = set()
-
-
-def _pass_like(node: cst.CSTNode) -> cst.SimpleStatementLine:
-    leading = (
-        node.leading_lines if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)) else ()
-    )
-    return cst.SimpleStatementLine(body=[cst.Pass()], leading_lines=leading)

@@ -67,6 +67,9 @@ from maingrad.analyzer.syntax_index import SyntaxIndex, gate_aliases, pos, spine
 from maingrad.contracts.report import Severity
 
 ACCUMULATE = "accumulates"
+# GEMM wrappers that take `out=` but no `accumulate` (megatron-core's `te_general_gemm` always passes
+# `accumulate=False` to TE's `general_gemm`): adding the keyword raises TypeError.
+NO_ACCUMULATE_GEMMS = frozenset({"te_general_gemm"})
 OVERWRITE = "overwrites"
 _MAX_HELPER_DEPTH = 3
 
@@ -175,15 +178,25 @@ if hasattr(weight, "__fsdp_param__"):
 ```python
 if hasattr(weight, "__fsdp_param__"):
     weight.main_grad = weight.get_main_grad()
-    te_general_gemm(total_input, grad_output, out_dtype=weight.main_grad.dtype, layout="NT",
-                    out=weight.main_grad, grad=True,
-                    accumulate=not getattr(weight, "overwrite_main_grad", False))
+    if getattr(weight, "overwrite_main_grad", False):
+        te_general_gemm(total_input, grad_output, out_dtype=weight.main_grad.dtype, layout="NT",
+                        out=weight.main_grad, grad=True)
+    else:
+        weight.main_grad.add_(te_general_gemm(total_input, grad_output,
+                                              out_dtype=weight.main_grad.dtype, layout="NT", grad=True)[0])
 ```
-The (unsafe) fix sets `accumulate=not getattr(W, "overwrite_main_grad", False)` on TE GEMM calls. For
-`torch.matmul(..., out=...)` and `copy_`, which cannot accumulate, branch on the flag yourself
-(`W.main_grad.addmm_(a, b)` when it is `False`). Writes whose `accumulate=` value, or whose enclosing test,
-reads the flag (directly, through TE's `get_accumulate_flag_in_param`, or through names and context
-attributes assigned from them, anywhere in the file) are not reported.
+megatron-core's `te_general_gemm` wrapper has no `accumulate` parameter (it passes `accumulate=False` to
+TE's `general_gemm` itself), so the (unsafe) fix branches on the flag as above: overwrite when the flag says
+so, otherwise add the GEMM's freshly allocated output (`[0]` of what it returns) into the buffer. A TE GEMM
+that takes `accumulate` (`general_gemm`, `general_grouped_gemm`, or a same-file function with that
+parameter) gets `accumulate=not getattr(W, "overwrite_main_grad", False)` instead. Anything else keeps its
+finding without a fix: for `torch.matmul(..., out=...)` and `copy_`, which cannot accumulate, branch on the
+flag yourself (`W.main_grad.addmm_(a, b)` when it is `False`). Writes whose `accumulate=` value, or whose
+enclosing test, reads the flag (directly, through TE's `get_accumulate_flag_in_param`, or through names and
+context attributes assigned from them, anywhere in the file) are not reported. The fix only changes
+behaviour where the data-parallel wrapper leaves the flag `False` for a Megatron-FSDP parameter: megatron-core
+0.19.2's Megatron-FSDP sets it `True` on every unshard, so there the fixed and the original code behave
+alike; Megatron-LM main derives it from the sharding strategy (PR #6357).
 
 ## In real code
 megatron-core 0.19.2 `LinearWithGradAccumulationAndAsyncCommunication.backward`, Megatron-FSDP branch: both
@@ -261,7 +274,10 @@ that call). Confirmed on an H200: with two micro-batches the optimizer sees micr
                 weight = ctx.weight
                 if hasattr(weight, "__fsdp_param__"):
                     weight.main_grad = weight.get_main_grad()
-                    te_general_gemm(ctx.x, grad_output, out_dtype=weight.main_grad.dtype, layout="NT", out=weight.main_grad, grad=True, accumulate=not getattr(weight, "overwrite_main_grad", False))
+                    if getattr(weight, "overwrite_main_grad", False):
+                        te_general_gemm(ctx.x, grad_output, out_dtype=weight.main_grad.dtype, layout="NT", out=weight.main_grad, grad=True)
+                    else:
+                        weight.main_grad.add_(te_general_gemm(ctx.x, grad_output, out_dtype=weight.main_grad.dtype, layout="NT", grad=True)[0])
             """,
         ),
         # torch.matmul cannot accumulate.
@@ -508,7 +524,9 @@ class _Analysis:
         gemm = via or write
         remedy = (
             f'pass `accumulate=not getattr({subject}, "{OVERWRITE_FLAG}", False)`'
-            if isinstance(gemm.node, cst.Call) and last_name(gemm.node) in ACCUMULATE_GEMMS
+            if isinstance(gemm.node, cst.Call)
+            and last_name(gemm.node) in ACCUMULATE_GEMMS
+            and self._takes_accumulate(gemm.node)
             else f"branch on `{subject}.{OVERWRITE_FLAG}` (overwrite when it is set, accumulate otherwise)"
         )
         message = f"{what}, whatever `{subject}.{OVERWRITE_FLAG}` says: {consequence}; {remedy}."
@@ -517,12 +535,19 @@ class _Analysis:
         )
 
     def _fix(self, write: _Write, owner: cst.BaseExpression | None) -> Fix | None:
+        """`accumulate=<from the flag>` for a GEMM that takes `accumulate`; for megatron-core's
+        `te_general_gemm` wrapper, which has no such parameter (it always passes `accumulate=False` to TE),
+        a branch on the flag that adds the GEMM's fresh output into the buffer when not overwriting; no fix
+        otherwise (the finding stays)."""
         node = write.node
         if owner is None or not is_simple_chain(owner) or not isinstance(node, cst.Call):
             return None
-        if last_name(node) not in ACCUMULATE_GEMMS or any(a.star == "**" for a in node.args):
+        if last_name(node) not in ACCUMULATE_GEMMS or any(a.star for a in node.args):
             return None
-        value = cst.parse_expression(f'not getattr({code_of(owner)}, "{OVERWRITE_FLAG}", False)')
+        flag = f'getattr({code_of(owner)}, "{OVERWRITE_FLAG}", False)'
+        if not self._takes_accumulate(node):
+            return self._branch_fix(write, flag)
+        value = cst.parse_expression(f"not {flag}")
         replacements: dict[cst.CSTNode, cst.CSTNode]
         if write.accumulate is not None:
             replacements = {write.accumulate: write.accumulate.with_changes(value=value)}
@@ -535,6 +560,57 @@ class _Analysis:
             args = [*node.args[:-1], last.with_changes(comma=cst.MaybeSentinel.DEFAULT), new_arg]
             replacements = {node: node.with_changes(args=args)}
         return Fix(replacements, "take accumulate from the parameter's overwrite_main_grad flag", safe=False)
+
+    def _takes_accumulate(self, call: cst.Call) -> bool:
+        """Whether the called GEMM has an `accumulate` parameter: a same-file def says so itself;
+        megatron-core's `te_general_gemm` wrapper (A, B, out_dtype, layout, out, bias, grad) does not; TE's
+        own GEMMs do."""
+        name = last_name(call)
+        local = self.functions.get(name or "")
+        if local is not None:
+            params = local.params
+            names = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+            return "accumulate" in names or isinstance(params.star_kwarg, cst.Param)
+        return name not in NO_ACCUMULATE_GEMMS
+
+    def _branch_fix(self, write: _Write, flag: str) -> Fix | None:
+        """`if <flag>: <the call> else: <buffer>.add_(<the call without out=>[0])`, when the call is a
+        statement of its own (its result unused) writing into a side-effect-free buffer expression."""
+        node = write.node
+        assert isinstance(node, cst.Call)
+        if write.mode != OVERWRITE or not is_simple_chain(write.target):
+            return None
+        line = self.ctx.parent(self.ctx.parent(node) or node)
+        expr = self.ctx.parent(node)
+        if not (
+            isinstance(expr, cst.Expr)
+            and isinstance(line, cst.SimpleStatementLine)
+            and len(line.body) == 1
+            and isinstance(self.ctx.parent(line), cst.IndentedBlock)
+        ):
+            return None
+        out = keyword(node, "out")
+        assert out is not None
+        kept = [a for a in node.args if a is not out]
+        if node.args[-1] is out and kept:
+            kept[-1] = kept[-1].with_changes(comma=out.comma)
+        fresh = node.with_changes(args=kept)
+        add = cst.Call(
+            func=cst.Attribute(value=write.target, attr=cst.Name("add_")),
+            args=[cst.Arg(cst.Subscript(fresh, [cst.SubscriptElement(cst.Index(cst.Integer("0")))]))],
+        )
+        branch = cst.If(
+            test=cst.parse_expression(flag),
+            body=cst.IndentedBlock([line.with_changes(leading_lines=())]),
+            orelse=cst.Else(cst.IndentedBlock([cst.SimpleStatementLine([cst.Expr(add)])])),
+            leading_lines=line.leading_lines,
+        )
+        return Fix(
+            {line: branch},
+            f"overwrite only when the flag says so; otherwise add `{last_name(node)}`'s fresh output into the "
+            "buffer (the wrapper has no accumulate parameter)",
+            safe=False,
+        )
 
 
 def _root_name(expr: cst.BaseExpression) -> str | None:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import libcst as cst
 
-from maingrad.analyzer import syntax_index
+from maingrad.analyzer import syntax_index, walk
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.facts import (
     DUMMY_WGRAD_FUNCS,
@@ -44,8 +44,9 @@ from maingrad.analyzer.rules._common import (
     function_of,
     in_wrapper,
     is_false_constant,
+    is_simple_chain,
 )
-from maingrad.analyzer.rules.base import Example, Rule, Violation
+from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
 from maingrad.contracts.report import Severity
 
@@ -78,6 +79,7 @@ class GradAddedDecidedByOverwriteFlag(Rule):
         "`grad_added_to_main_grad` / the dummy wgrad is decided by a test that reads `overwrite_main_grad`"
     )
     needles = tuple((site, seed) for site in (GRAD_ADDED_FLAG, *sorted(DUMMY_WGRAD_FUNCS)) for seed in _SEEDS)
+    fixable = True
     docs = """\
 ## What it does
 Finds the place where a backward that writes its wgrad into `main_grad` sets `W.grad_added_to_main_grad` or
@@ -119,9 +121,14 @@ if fuse_into_main_grad:
     grad_weight = get_dummy_wgrads_for_params([self.weight])[0]
 ```
 Keep two names: one for "the wgrad goes into main_grad" (decides the flag and the dummy), one for
-"accumulate rather than overwrite" (goes to the GEMM), as TE's `GroupedLinear` op does. No automatic fix:
-which expression means "fused into main_grad" is the code's own (`ctx.weight_requires_grad and
-self._accumulate_into_main_grad` in TE).
+"accumulate rather than overwrite" (goes to the GEMM), as TE #2923 did for its `GroupedLinear` op
+(`if ctx.weight_requires_grad and self._accumulate_into_main_grad: ... get_dummy_wgrads_for_params(...)`,
+"regardless of overwrite vs. accumulate"). The (unsafe) fix does that where the deciding test is a local
+`L` that the function first binds to a plain attribute chain (`L = self._accumulate_into_main_grad`) and
+later rebinds from the flag inside `if <test on L>:`: the test deciding the dummy or the flag becomes that
+`if`'s test with `L` replaced by its first value (`ctx.weight_requires_grad and
+self._accumulate_into_main_grad`), i.e. "the wgrad went into main_grad". Other shapes keep the finding with no
+fix.
 
 ## In real code
 Transformer Engine 2.20.2 `ops/basic/basic_linear.py` (`BasicLinear.op_backward`) and the fused ops that
@@ -186,6 +193,21 @@ with gradient accumulation fusion reaches the optimizer with 2.0x the true gradi
                 return grad_input, [grad_weight]
             """,
             line=12,
+            fixed="""\
+            def op_backward(self, ctx, grad_output):
+                accumulate_into_main_grad = self._accumulate_into_main_grad
+                grad_weight = None
+                if ctx.weight_requires_grad and accumulate_into_main_grad:
+                    main_grad = get_main_grad_from_param(self.weight, op_label="BasicLinear")
+                    accumulate_into_main_grad = get_accumulate_flag_in_param(self.weight)
+                    grad_weight = main_grad.detach()
+                else:
+                    accumulate_into_main_grad = False
+                grad_input, grad_weight = self._functional_backward(grad_weight=grad_weight, accumulate_into_grad_weight=accumulate_into_main_grad)
+                if ctx.weight_requires_grad and self._accumulate_into_main_grad:
+                    grad_weight = get_dummy_wgrads_for_params([self.weight])[0]
+                return grad_input, [grad_weight]
+            """,
         ),
         # The flag itself, set only when accumulating.
         Example(
@@ -261,4 +283,85 @@ with gradient accumulation fusion reaches the optimizer with 2.0x the true gradi
                     "the wgrad went into main_grad (e.g. `self._accumulate_into_main_grad`), not by the "
                     "accumulate/overwrite choice."
                 ),
+                fix=_fused_test_fix(ctx, func, test),
             )
+
+
+def _fused_test_fix(ctx: FileContext, func: cst.FunctionDef | None, test: cst.BaseExpression) -> Fix | None:
+    """Replace a deciding test `L` by "the wgrad went into main_grad" (TE #2923's shape): the test of the
+    `if` inside which `L` was rebound from the flag, with `L` replaced by its first value in `func`."""
+    if func is None or not isinstance(test, cst.Name):
+        return None
+    name = test.value
+    first: cst.BaseExpression | None = None
+    fusing: cst.If | None = None
+    for node in walk.walk(func.body):
+        if not isinstance(node, cst.Assign) or len(node.targets) != 1:
+            continue
+        target = node.targets[0].target
+        if not (isinstance(target, cst.Name) and target.value == name):
+            continue
+        if first is None:
+            first = node.value
+            continue
+        owner = ctx.enclosing(node, cst.If)
+        if (
+            isinstance(owner, cst.If)
+            and any(isinstance(n, cst.Name) and n.value == name for n in walk.walk(owner.test))
+            and ctx.enclosing(owner, cst.FunctionDef) is func
+        ):
+            fusing = owner
+            break
+    if first is None or fusing is None or not is_simple_chain(first):
+        return None
+    if not all(isinstance(n, _PURE_TEST) for n in walk.walk(fusing.test)):
+        return None
+    fused = fusing.test.visit(_Rename(name, first))
+    if not isinstance(fused, cst.BaseExpression):
+        return None
+    if isinstance(fused, cst.BooleanOperation) and not fused.lpar and _needs_parens(ctx, test):
+        fused = fused.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    return Fix(
+        {test: fused},
+        "decide by whether the wgrad went into main_grad, not by the overwrite flag",
+        safe=False,
+    )
+
+
+def _needs_parens(ctx: FileContext, test: cst.BaseExpression) -> bool:
+    """A `a and b` put where `test` was: parenthesised unless it is a whole if/while/ternary test."""
+    parent = ctx.parent(test)
+    return not (isinstance(parent, (cst.If, cst.While, cst.IfExp)) and parent.test is test)
+
+
+# Node types of a test that is safe to evaluate again elsewhere: names, attribute chains, boolean logic.
+_PURE_TEST = (
+    cst.Name,
+    cst.Attribute,
+    cst.BooleanOperation,
+    cst.And,
+    cst.Or,
+    cst.UnaryOperation,
+    cst.Not,
+    cst.Dot,
+    cst.LeftParen,
+    cst.RightParen,
+    cst.SimpleWhitespace,
+    cst.ParenthesizedWhitespace,
+    cst.TrailingWhitespace,
+    cst.Newline,
+    cst.EmptyLine,
+    cst.Comment,
+)
+
+
+class _Rename(cst.CSTTransformer):
+    """Replace every load of the name by an expression."""
+
+    def __init__(self, name: str, value: cst.BaseExpression) -> None:
+        super().__init__()
+        self.name = name
+        self.value = value
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
+        return self.value if original_node.value == self.name else updated_node

@@ -10,6 +10,11 @@ training loop keeps them disabled through the first iteration, which is when laz
 take their snapshot. A snapshot is then empty (and the replay hook, registered only "if any", is never
 installed) or holds removed hooks.
 
+Not judged: a snapshot taken over `self.modules()` in a subclass of a Transformer Engine module that has no
+submodules (`RMSNorm`, `LayerNorm`, `Linear`, ...) and adds none (no `self.X = <call>`, `add_module`,
+`register_module`): it holds only the module's own hooks, and its own `__call__` runs the current ones
+anyway (megatron-core's `TEFusedResidualRMSNorm`).
+
 What is judged, per function `F`: a read of `X._forward_pre_hooks` in `F` itself that fills a local `L`
 (`L.append(...)` in a loop over the hooks, `L = [...]`, `L.extend(...)`), and a hook function nested in `F`
 that reads `L` without reading any `_forward_pre_hooks` itself, registered with
@@ -27,11 +32,15 @@ from maingrad.analyzer import syntax_index, walk
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.facts import PRE_HOOKS_ATTR
 from maingrad.analyzer.rules._common import code_of, own_nodes
-from maingrad.analyzer.rules.base import Example, Rule, Violation
+from maingrad.analyzer.rules.base import Example, Fix, Rule, Violation
 from maingrad.analyzer.syntax_index import SyntaxIndex
 from maingrad.contracts.report import Severity
 
 REGISTER = "register_forward_pre_hook"
+# Transformer Engine modules without submodules: a subclass that adds none replays, through
+# `self.modules()`, only its own hooks, which its own `__call__` already runs (current ones) at each call.
+_LEAF_MODULES = frozenset({"RMSNorm", "LayerNorm", "Linear", "LayerNormLinear", "GroupedLinear"})
+_OWN_MODULES = frozenset({"modules", "named_modules", "children", "named_children"})
 _FILL_METHODS = frozenset({"append", "extend", "insert", "add", "update", "setdefault"})
 
 
@@ -66,6 +75,7 @@ class StaleHookSnapshot(Rule):
     severity = Severity.ERROR
     summary = "a pre-forward hook replays a build-time snapshot of `_forward_pre_hooks` instead of the current hooks"
     needles = (PRE_HOOKS_ATTR,)
+    fixable = True
     docs = """\
 ## What it does
 Finds a pre-forward hook (registered with `register_forward_pre_hook`, or returned by a hook factory) that
@@ -106,8 +116,12 @@ def forward_pre_hook(module, *_):
 fused.register_forward_pre_hook(forward_pre_hook)
 ```
 Register the replay unconditionally and read the hooks at each call (as megatron-core's
-`TEGroupedMLP._make_fused_impl_pre_forward_hook` does). No automatic fix: a replay also decides which hooks
-it may run (hooks that read or rewrite the input cannot be replayed), which stays the author's call.
+`TEGroupedMLP._make_fused_impl_pre_forward_hook` does, and as Megatron-LM #6132 did for `TEFusedMLP`: keep the
+modules, not their hooks, leaving out `self`, whose own `__call__` runs its hooks). The (unsafe) fix does that
+for the common shape: the loop `for hook in m._forward_pre_hooks.values(): L.append((m, hook))` becomes
+`L.append(m)` (`if m is not self:` when the outer loop walks `self.modules()`), and the hook's
+`for m, hook in L:` becomes `for m in L:` / `for hook in list(m._forward_pre_hooks.values()):`. Other shapes
+(hooks with kwargs, several lists) keep the finding with no fix.
 
 ## In real code
 megatron-bridge `peft/lora_layers.py` `TEFusedLoRALinear._make_fused_branches` (0.3.1 and main) and
@@ -145,6 +159,30 @@ megatron-core's `TEFusedMLP._register_hooks_on_fused_impl` (0.16.1 to Megatron-L
             """
         ),
     ]
+    VALID.append(
+        # megatron-core TEFusedResidualRMSNorm: a leaf TE module replaying only its own hooks.
+        Example(
+            """\
+            class TEFusedResidualRMSNorm(te.pytorch.RMSNorm):
+                def __init__(self, *args, **kwargs):
+                    super().__init__(*args, **kwargs)
+                    self._fused_impl = None
+
+                def _register_hooks_on_fused_impl(self, fused_impl):
+                    forward_pre_hooks = []
+                    for submodule in self.modules():
+                        for hook in submodule._forward_pre_hooks.values():
+                            forward_pre_hooks.append((submodule, hook))
+                    if forward_pre_hooks:
+
+                        def forward_pre_hook(module, *_):
+                            for submodule, hook in forward_pre_hooks:
+                                hook(submodule, None)
+
+                        fused_impl.register_forward_pre_hook(forward_pre_hook)
+            """
+        )
+    )
     INVALID = [
         # megatron-bridge TEFusedLoRALinear style.
         Example(
@@ -166,6 +204,24 @@ megatron-core's `TEFusedMLP._register_hooks_on_fused_impl` (0.16.1 to Megatron-L
                     return main_branch
             """,
             line=6,
+            fixed="""\
+            class TEFusedLoRALinear:
+                def _make_fused_branches(self):
+                    main_branch = self._make_main_branch()
+                    forward_pre_hooks = []
+                    for submodule in self.modules():
+                        if submodule is not self:
+                            forward_pre_hooks.append(submodule)
+                    if forward_pre_hooks:
+
+                        def forward_pre_hook(module, *_) -> None:
+                            for submodule in forward_pre_hooks:
+                                for hook in list(submodule._forward_pre_hooks.values()):
+                                    hook(submodule, None)
+
+                        main_branch.register_forward_pre_hook(forward_pre_hook)
+                    return main_branch
+            """,
         ),
         # A hook factory returning a closure over a list comprehension snapshot.
         Example(
@@ -207,7 +263,7 @@ megatron-core's `TEFusedMLP._register_hooks_on_fused_impl` (0.16.1 to Megatron-L
         for func in ctx.nodes(cst.FunctionDef):
             assert isinstance(func, cst.FunctionDef)
             snapshots = self._snapshots(ctx, func)
-            if not snapshots:
+            if not snapshots or _replays_only_itself(ctx, func, snapshots):
                 continue
             reported: set[str] = set()
             for hook, registration in self._hooks(func):
@@ -226,6 +282,7 @@ megatron-core's `TEFusedMLP._register_hooks_on_fused_impl` (0.16.1 to Megatron-L
                         where = f"returned by `{func.name.value}`"
                     tail = " (and installs no replay at all when it is empty)" if guarded else ""
                     yield Violation(
+                        fix=_refresh_fix(ctx, snapshots[name], hook, name),
                         node=snapshots[name],
                         message=(
                             f"`{hook.name.value}` ({where}) replays `{name}`, a snapshot of `_forward_pre_hooks` "
@@ -292,3 +349,121 @@ megatron-core's `TEFusedMLP._register_hooks_on_fused_impl` (0.16.1 to Megatron-L
             }:
                 return True
         return False
+
+
+def _replays_only_itself(ctx: FileContext, func: cst.FunctionDef, snapshots: dict[str, cst.CSTNode]) -> bool:
+    """Every snapshot loops over `self.modules()` (or children) of a class that derives only from TE modules
+    without submodules and never adds one: the replay then repeats the module's own hooks, which its own
+    `__call__` runs at each call anyway (the current ones), so nothing is missed."""
+    owner = ctx.enclosing(func, cst.ClassDef)
+    if not isinstance(owner, cst.ClassDef) or not owner.bases:
+        return False
+    if any(_last_name(base.value) not in _LEAF_MODULES for base in owner.bases):
+        return False
+    for node in walk.walk(owner.body):
+        if isinstance(node, cst.Call) and _last_name(node.func) in ("add_module", "register_module"):
+            return False
+        if isinstance(node, cst.Assign) and isinstance(node.value, cst.Call):
+            for target in node.targets:
+                inner = target.target
+                if (
+                    isinstance(inner, cst.Attribute)
+                    and isinstance(inner.value, cst.Name)
+                    and inner.value.value == "self"
+                ):
+                    return False
+    for statement in snapshots.values():
+        loops = [n for n in walk.walk(statement) if isinstance(n, cst.For)]
+        loops += [a for a in ctx.ancestors(statement) if isinstance(a, cst.For)]
+        sources = [loop.iter for loop in loops]
+        if not any(
+            isinstance(src, cst.Call)
+            and isinstance(src.func, cst.Attribute)
+            and src.func.attr.value in _OWN_MODULES
+            and isinstance(src.func.value, cst.Name)
+            and src.func.value.value == "self"
+            for src in sources
+        ):
+            return False
+    return True
+
+
+def _last_name(node: cst.BaseExpression) -> str | None:
+    if isinstance(node, cst.Attribute):
+        return node.attr.value
+    return node.value if isinstance(node, cst.Name) else None
+
+
+def _refresh_fix(ctx: FileContext, snapshot: cst.CSTNode, hook: cst.FunctionDef, name: str) -> Fix | None:
+    """Keep the modules and read their hooks at each call (Megatron-LM #6132's shape), for the common form:
+    `for h in m._forward_pre_hooks.values(): L.append((m, h))` inside `for m in ...:`, replayed by a
+    `for m2, h2 in L:` statement of the hook's body."""
+    if not isinstance(snapshot, cst.For) or not isinstance(snapshot.target, cst.Name):
+        return None
+    hook_var = snapshot.target.value
+    source = snapshot.iter
+    if not (
+        isinstance(source, cst.Call)
+        and isinstance(source.func, cst.Attribute)
+        and source.func.attr.value == "values"
+        and not source.args
+        and isinstance(source.func.value, cst.Attribute)
+        and source.func.value.attr.value == PRE_HOOKS_ATTR
+        and isinstance(source.func.value.value, cst.Name)
+    ):
+        return None
+    module_var = source.func.value.value.value
+    body = snapshot.body.body if isinstance(snapshot.body, cst.IndentedBlock) else ()
+    if len(body) != 1 or not isinstance(body[0], cst.SimpleStatementLine) or len(body[0].body) != 1:
+        return None
+    append = body[0].body[0]
+    if not (
+        isinstance(append, cst.Expr)
+        and isinstance(append.value, cst.Call)
+        and isinstance(append.value.func, cst.Attribute)
+        and append.value.func.attr.value == "append"
+        and isinstance(append.value.func.value, cst.Name)
+        and append.value.func.value.value == name
+        and len(append.value.args) == 1
+        and code_of(append.value.args[0].value).strip("()").replace(" ", "") == f"{module_var},{hook_var}"
+    ):
+        return None
+    outer = ctx.parent(ctx.parent(snapshot) or snapshot)
+    if not (
+        isinstance(outer, cst.For) and isinstance(outer.target, cst.Name) and outer.target.value == module_var
+    ):
+        return None
+    replay = next(
+        (
+            st
+            for st in (hook.body.body if isinstance(hook.body, cst.IndentedBlock) else ())
+            if isinstance(st, cst.For)
+            and isinstance(st.iter, cst.Name)
+            and st.iter.value == name
+            and isinstance(st.target, cst.Tuple)
+            and len(st.target.elements) == 2
+            and all(isinstance(e.value, cst.Name) for e in st.target.elements)
+        ),
+        None,
+    )
+    if replay is None or not isinstance(replay.target, cst.Tuple):
+        return None
+    replay_module, replay_hook = (e.value for e in replay.target.elements)
+    if not isinstance(replay_module, cst.Name) or not isinstance(replay_hook, cst.Name):
+        return None
+    own = code_of(outer.iter).replace(" ", "") in ("self.modules()", "self.children()")
+    keep = f"{name}.append({module_var})\n"
+    if own:
+        keep = f"if {module_var} is not self:\n    {name}.append({module_var})\n"
+    kept = cst.parse_statement(keep).with_changes(leading_lines=snapshot.leading_lines)
+    inner = cst.For(
+        target=replay_hook,
+        iter=cst.parse_expression(f"list({code_of(replay_module)}.{PRE_HOOKS_ATTR}.values())"),
+        body=replay.body,
+    )
+    refreshed = replay.with_changes(target=replay_module, body=cst.IndentedBlock([inner]))
+    return Fix(
+        {snapshot: kept, replay: refreshed},
+        "keep the modules and read their pre-forward hooks when the replay runs",
+        safe=False,
+    )
