@@ -340,9 +340,12 @@ bases of the second table (hence opt-in). Megatron-LM fixed the bug it describes
         an own assignment `R.main_grad = <... R.get_main_grad() ...>` of the same function, before the call
         and not in an exclusive branch, with both receivers plain dotted chains of equal text. Helper calls,
         `get_main_grad` bound to locals and the ABSENT path facts only remove more findings: ignored."""
+        exposures: dict[int, list[tuple[ast.stmt, str]]] | None = None  # built at the first written buffer
         for call in index.main_grad_calls:
             for buffer in _ast_written_buffers(call):
-                if not _ast_exposed_before(index, call, buffer):
+                if exposures is None:
+                    exposures = _ast_exposures(index)
+                if not _ast_exposed_before(index, exposures, call, buffer):
                     return True
         return False
 
@@ -447,12 +450,11 @@ def _ast_written_buffers(call: ast.Call) -> list[ast.AST]:
     return []
 
 
-def _ast_exposed_before(index: SyntaxIndex, call: ast.Call, buffer: ast.AST) -> bool:
-    """True only when `_exposed_before` is (see `gate`)."""
-    key = syntax_index.chain_before(index, buffer, "main_grad")
-    if key is None:
-        return False
-    func = syntax_index.enclosing_function(index, call)
+def _ast_exposures(index: SyntaxIndex) -> dict[int, list[tuple[ast.stmt, str]]]:
+    """Every own assignment `R.main_grad = <... X.get_main_grad() ...>` of the file, by the id of its owning
+    scope, with the text of `R`: collected once per file, so the gate is linear in the number of writes and
+    exposures rather than their product."""
+    out: dict[int, list[tuple[ast.stmt, str]]] = {}
     for getter in index.get_main_grad_calls:  # `_is_getter_call`: any `X.get_main_grad(...)` call
         child: ast.AST = getter
         stmt = index.parent(getter)
@@ -462,9 +464,23 @@ def _ast_exposed_before(index: SyntaxIndex, call: ast.Call, buffer: ast.AST) -> 
             continue
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
         first = next((t for t in targets if syntax_index.is_main_grad_attr(t)), None)
-        if first is None or syntax_index.chain_before(index, first, "main_grad") != key:
+        key = None if first is None else syntax_index.chain_before(index, first, "main_grad")
+        if key is None:
             continue
-        if syntax_index.owning_scope(index, stmt) is not func:
+        out.setdefault(id(syntax_index.owning_scope(index, stmt)), []).append((stmt, key))
+    return out
+
+
+def _ast_exposed_before(
+    index: SyntaxIndex, exposures: dict[int, list[tuple[ast.stmt, str]]], call: ast.Call, buffer: ast.AST
+) -> bool:
+    """True only when `_exposed_before` is (see `gate`)."""
+    key = syntax_index.chain_before(index, buffer, "main_grad")
+    if key is None:
+        return False
+    func = syntax_index.enclosing_function(index, call)
+    for stmt, exposed in exposures.get(id(func), ()):
+        if exposed != key:
             continue
         if syntax_index.is_before(index, stmt, call) and not syntax_index.mutually_exclusive(
             index, stmt, call

@@ -451,11 +451,17 @@ first table, and no false alarm on the 31 forks, ports and users of the second.
     def _aware(self, ctx: FileContext, unit: cst.FunctionDef) -> bool:
         if _sets_or_tests_flag(unit):
             return True
-        setters = {
-            f.name.value
-            for f in ctx.nodes(cst.FunctionDef)
-            if isinstance(f, cst.FunctionDef) and f is not unit and _sets_or_tests_flag(f)
-        }
+        # Which functions of the file set or test the flag: computed once per file, not once per backward
+        # (a file with thousands of backwards would otherwise be scanned whole for each).
+        flagged: dict[int, str] | None = ctx.memo.get("mg008_flag_functions")
+        if flagged is None:
+            flagged = {
+                id(f): f.name.value
+                for f in ctx.nodes(cst.FunctionDef)
+                if isinstance(f, cst.FunctionDef) and _sets_or_tests_flag(f)
+            }
+            ctx.memo["mg008_flag_functions"] = flagged
+        setters = {name for key, name in flagged.items() if key != id(unit)}
         for node in walk.walk(unit):
             if isinstance(node, cst.Call):
                 name = (dotted_name(node.func) or "").rsplit(".", 1)[-1]
