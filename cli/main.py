@@ -17,7 +17,7 @@ from collections.abc import Sequence
 _PARTS: tuple[tuple[str, str | None], ...] = (
     ("maingrad.analyzer.cli", None),
     ("maingrad.hooks.cli", "runtime"),
-    ("maingrad.hooks.preflight_cli", "runtime"),
+    ("maingrad.hooks.preflight.cli", "runtime"),
     ("maingrad.service.cli", "service"),
 )
 
