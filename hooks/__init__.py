@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # what a user's type checker sees; at run time the names load
     from maingrad.contracts.anomalies import ANOMALIES as ANOMALIES
     from maingrad.contracts.records import FIELDS as FIELDS
     from maingrad.contracts.records import SCHEMA_VERSION as SCHEMA_VERSION
-    from maingrad.contracts.records import validate as validate_record
+    from maingrad.contracts.records import validate as validate_record  # noqa: F401
     from maingrad.hooks.api import Handle as Handle
     from maingrad.hooks.api import install as install
     from maingrad.hooks.api import watch as watch

@@ -20,8 +20,12 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from maingrad.hooks.preflight.result import ParamResult, PreflightResult, Probe
-    from maingrad.hooks.preflight.run import PreflightFailed, preflight, preflight_from_env
+    from maingrad.hooks.preflight.result import ParamResult as ParamResult
+    from maingrad.hooks.preflight.result import PreflightResult as PreflightResult
+    from maingrad.hooks.preflight.result import Probe as Probe
+    from maingrad.hooks.preflight.run import PreflightFailed as PreflightFailed
+    from maingrad.hooks.preflight.run import preflight as preflight
+    from maingrad.hooks.preflight.run import preflight_from_env as preflight_from_env
 
 _LAZY = {
     "preflight": "run",
@@ -32,7 +36,7 @@ _LAZY = {
     "Probe": "result",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["ParamResult", "PreflightFailed", "PreflightResult", "Probe", "preflight", "preflight_from_env"]
 
 
 def __getattr__(name: str) -> Any:

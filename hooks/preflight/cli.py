@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "preflight",
         help="prove gradient accumulation on a training script's own model (or show a saved result)",
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--script", help="training script that calls maingrad.hooks.preflight_from_env()")

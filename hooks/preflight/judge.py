@@ -136,7 +136,9 @@ def overwrite_note(r: ParamResult, kind: str) -> str:
     if kind == "megatron-ddp":
         flag = " (overwrite_main_grad=True under DDP)" if r.overwrite_main_grad is True else ""
         return (
-            "the fused wgrad writes main_grad instead of adding to it" + flag + ": each micro-batch replaces the "
+            "the fused wgrad writes main_grad instead of adding to it"
+            + flag
+            + ": each micro-batch replaces the "
             "earlier ones in DDP's persistent buffer"
         )
     target = "main_grad" if r.has_main_grad else ".grad"
@@ -158,10 +160,10 @@ def scale_note(r: ParamResult, scale: float, kind: str) -> str:
 
 
 def lost_note(kind: str) -> str:
-    where = {"megatron-fsdp": "main_grad / the optimizer's .grad", "megatron-ddp": "main_grad"}.get(kind, ".grad")
-    return (
-        f"the reported gradient is zero but the loss moves along this parameter: its gradient never reached {where}"
+    where = {"megatron-fsdp": "main_grad / the optimizer's .grad", "megatron-ddp": "main_grad"}.get(
+        kind, ".grad"
     )
+    return f"the reported gradient is zero but the loss moves along this parameter: its gradient never reached {where}"
 
 
 def solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
@@ -225,10 +227,14 @@ def accumulation_verdict(
         r.notes.append(overwrite_note(r, kind))
     elif abs(coeffs[0] - 1) <= FIT_TOL and all(zero[1:]):
         r.anomalies.append("grad_lost")
-        r.notes.append("only the first micro-batch of the sequence reached the optimizer: the later ones were dropped")
+        r.notes.append(
+            "only the first micro-batch of the sequence reached the optimizer: the later ones were dropped"
+        )
     elif all(zero[:-1]):
         r.anomalies.append("grad_overwritten")
-        r.notes.append(f"only the last micro-batch survives, x{coeffs[-1]:.2f} (coefficients by position: {text})")
+        r.notes.append(
+            f"only the last micro-batch survives, x{coeffs[-1]:.2f} (coefficients by position: {text})"
+        )
     else:
         bad = [k + 1 for k in range(n) if not near[k]]
         r.anomalies.append("grad_inconsistent")

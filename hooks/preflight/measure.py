@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -30,6 +30,21 @@ from maingrad.hooks.preflight.wrappers import Entry, normalize_name
 SUBSET = 4096  # elements per parameter kept for the decomposition G(seq) ~ sum c_k G(k) and the repeat
 FD_CHUNK = 1 << 24  # elements moved per step of a finite-difference perturbation (64 MiB of fp32 scratch)
 _DIGITS = re.compile(r"\d+")
+_TORCH: Any = torch  # torch's multi-tensor `_foreach_*` ops are not in its exported names
+
+
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """dst[k].copy_(src[k]) for every k, in a few multi-tensor launches."""
+    _TORCH._foreach_copy_(list(dst), list(src))
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
+    _TORCH._foreach_mul_(list(tensors), factor)
+
+
+def foreach_sub_(tensors: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> None:
+    _TORCH._foreach_sub_(list(tensors), list(other))
+
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Half the distance from 1 to the next representable number."""
@@ -49,7 +64,6 @@ def copy_dtype(grad_dtype: torch.dtype, tolerance: float) -> torch.dtype:
         if dtype.itemsize < grad_dtype.itemsize and 8 * unit_roundoff(dtype) <= tolerance:
             return dtype
     return grad_dtype
-
 
 
 def leaf_pattern(leaf: str) -> str:
@@ -223,7 +237,9 @@ class Subsets:
             if not select:
                 continue
             index = torch.tensor([self.row_of[i] for i in select], device=device)
-            stack = torch.stack([self.mats[k][device].index_select(0, index) for k in keys], 1)  # [P, K, SUBSET]
+            stack = torch.stack(
+                [self.mats[k][device].index_select(0, index) for k in keys], 1
+            )  # [P, K, SUBSET]
             products = torch.bmm(stack, stack.transpose(1, 2))  # [P, K, K]
             for a, ka in enumerate(keys):
                 for b in range(a, len(keys)):
@@ -236,7 +252,9 @@ class Subsets:
             select = [i for i in rows if i in wanted]
             if select:
                 index = torch.tensor([self.row_of[i] for i in select], device=device)
-                diff = self.mats[k1][device].index_select(0, index) - self.mats[k2][device].index_select(0, index)
+                diff = self.mats[k1][device].index_select(0, index) - self.mats[k2][device].index_select(
+                    0, index
+                )
                 stats.add(name, select, (diff**2).sum(1))
 
 
@@ -250,7 +268,7 @@ def copies(tensors: list[torch.Tensor], dtypes: Sequence[torch.dtype] | None = N
     for (device, dtype), members in kinds.items():
         like = [tensors[j] for j in members]
         views = shaped(torch.empty(sum(t.numel() for t in like), dtype=dtype, device=device), like)
-        torch._foreach_copy_(views, like)
+        foreach_copy_(views, like)
         for v, j in zip(views, members, strict=True):
             out[j] = v
     return cast(list[torch.Tensor], out)
@@ -291,7 +309,7 @@ def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(0)
     norms: list[torch.Tensor]
     try:
-        norms = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        norms = list(_TORCH._foreach_norm(tensors, 2, dtype=torch.float32))
     except (RuntimeError, TypeError):  # mixed devices/dtypes on an old torch
         norms = [norm(t) for t in tensors]
     device = norms[0].device
@@ -309,10 +327,11 @@ STEP0 = 2.0**-10  # first relative step along the reported gradient (then 2^-11;
 STEP_MIN = 2.0**-22
 STEP_MAX = 2.0**-4
 ZERO_STEP0 = 2.0**-4  # first relative step along a random direction where the reported gradient is zero
-ZERO_STEP_MAX = 2.0**-3
-MAX_LEVELS = 6  # steps per probe at most
+ZERO_STEP_MAX = 2.0**-2
+MAX_LEVELS = 7  # steps per probe at most
 E_MAX = 0.05  # a relative error bar at most this is a reliable estimate
-Z_MOVE = 8.0  # a loss change of more than Z_MOVE x the noise "moves"
+OFF = 0.2  # "consistently off": every step's ratio beyond 1 +- OFF (after its noise), on the same side
+Z_MOVE = 4.0  # a loss change of more than Z_MOVE x the noise "moves"
 
 
 @dataclass
@@ -325,6 +344,7 @@ class Estimate:
     step: float | None = None  # the accepted step
     pair: tuple[float, float] | None = None  # the two steps the estimate rests on (larger, smaller)
     reliable: bool = False
+    off: bool = False  # no step agreed, but at every step the ratio is off 1 by more than OFF beyond the noise
     moves: bool | None = None  # zero-gradient probes: the loss moves along the direction
     reason: str = ""
 
@@ -333,67 +353,118 @@ def _fmt_step(s: float) -> str:
     return f"2^{math.log2(s):.0f}"
 
 
-def judge_levels(levels: Sequence[tuple[float, float, float]], noise: float, zero: bool) -> Estimate:
+def judge_levels(
+    levels: Sequence[tuple[float, float, float]], noise: float, zero: bool, floor: float = 0.0
+) -> Estimate:
     """The estimate from (step, C, P) levels (central loss change, predicted change), `noise` the loss's
-    rounding noise; or the next step to try. Pure arithmetic: the run loop evaluates what it asks for."""
+    rounding noise; or the next step to try. Pure arithmetic: the run loop evaluates what it asks for.
+
+    Reliable: two adjacent steps agree within E_MAX counting the noise (|r_a - r_b| + noise / |P_a| +
+    noise / |P_b|), or three adjacent steps spanning a factor 4 agree within E_MAX among themselves (the
+    measured noise is an upper bound: a random move of every weight by two units of round-off changes the
+    rounding of far more of the forward than a probe's move does); `floor` (the loss's own round-off) bounds
+    every error bar from below."""
     by_step = sorted(levels, key=lambda level: -level[0])
     if zero:
         return _judge_zero(by_step, noise)
-    pairs = []
-    for (sa, ca, pa), (sb, cb, pb) in zip(by_step, by_step[1:], strict=False):
-        if pa == 0.0 or pb == 0.0 or not all(math.isfinite(x) for x in (ca, pa, cb, pb)):
-            continue
-        ra, rb = ca / pa, cb / pb
-        error = abs(ra - rb) + noise / abs(pa) + noise / abs(pb)
-        pairs.append((error / max(abs(rb), 1e-30), rb, sb, ra, sa))
-    best = min(pairs) if pairs else None
+    valid = [(s, c / p, p) for s, c, p in by_step if p != 0.0 and math.isfinite(c) and math.isfinite(p)]
+    candidates: list[tuple[float, float, float, tuple[float, float]]] = []  # (rel. error, r, step, pair)
+    for (sa, ra, pa), (sb, rb, pb) in zip(valid, valid[1:], strict=False):
+        error = abs(ra - rb) + max(noise, floor) / abs(pa) + max(noise, floor) / abs(pb)
+        candidates.append((error / max(abs(rb), 1e-30), rb, sb, (sa, sb)))
+    best_pair = min(candidates) if candidates else None
+    for a, b, c in zip(valid, valid[1:], valid[2:], strict=False):
+        rs = sorted((a[1], b[1], c[1]))
+        quantum = floor / abs(a[2]) + floor / abs(b[2]) + floor / abs(c[2])
+        spread = (rs[2] - rs[0] + quantum) / max(abs(rs[1]), 1e-30)
+        if spread <= E_MAX and rs[0] > 0:
+            candidates.append((spread, rs[1], b[0], (a[0], b[0])))
+    best = min(candidates) if candidates else None
     if best is not None and best[0] <= E_MAX:
-        return Estimate(ratio=best[1], error=best[0], step=best[2], pair=(best[4], best[2]), reliable=True)
+        return Estimate(ratio=best[1], error=best[0], step=best[2], pair=best[3], reliable=True)
     smallest, largest = by_step[-1], by_step[0]
     if len(by_step) < MAX_LEVELS:
         small_noise = noise / abs(smallest[2]) if smallest[2] else math.inf
-        large_noise = noise / abs(largest[2]) if largest[2] else math.inf
-        if 2 * small_noise <= E_MAX / 2 and smallest[0] / 2 >= STEP_MIN:
-            return Estimate(next_step=smallest[0] / 2)  # truncation dominates: closer to the linear region
-        if large_noise > E_MAX / 4 and largest[0] * 2 <= STEP_MAX:
+        if 2 * small_noise <= 2 * E_MAX and smallest[0] / 2 >= STEP_MIN:
+            return Estimate(next_step=smallest[0] / 2)  # closer to the linear region
+        if largest[0] * 2 <= STEP_MAX:
             return Estimate(next_step=largest[0] * 2)  # rounding dominates: a larger change of the loss
     span = f"{_fmt_step(smallest[0])}..{_fmt_step(largest[0])}"
-    if best is None:
+    if len(valid) >= 3:
+        # Over steps spanning 4x and more, truncation shrinks 16x from the largest to the smallest: a correct
+        # gradient cannot be off by more than OFF at every one of them unless rounding noise is that large,
+        # which the noise term excludes.
+        low = all(r * (1 + max(noise, floor) / abs(p)) < 1 / (1 + OFF) for _, r, p in valid)
+        high = all(r * (1 - max(noise, floor) / abs(p)) > 1 + OFF for _, r, p in valid)
+        if low or high:
+            rs = sorted(r for _, r, _ in valid)
+            mid = rs[len(rs) // 2]
+            return Estimate(
+                ratio=mid,
+                error=(rs[-1] - rs[0]) / max(abs(mid), 1e-30),
+                step=smallest[0],
+                pair=(valid[-2][0], valid[-1][0]),
+                off=True,
+                reason=(
+                    "no two steps agree, but at every step the loss changes "
+                    + ("less" if low else "more")
+                    + f" than the reported gradient predicts by more than {OFF:g} (true / reported by step: "
+                    + ", ".join(f"{r:.4g} at {_fmt_step(s)}" for s, r, _ in valid)
+                    + ")"
+                ),
+            )
+    if best_pair is None:
         return Estimate(reason=f"the moves rounded to nothing or the loss was not finite at steps {span}")
-    rel, rb, sb, ra, sa = best
+    rel, rb, sb, pair = best_pair
     return Estimate(
         ratio=rb,
         error=rel,
         step=sb,
-        pair=(sa, sb),
+        pair=pair,
         reason=(
-            f"no two steps agree within the error bar {E_MAX:g} between {span} (best: true/reported "
-            f"{ra:.4g} at {_fmt_step(sa)}, {rb:.4g} at {_fmt_step(sb)}; loss noise {noise:.3g}): nonlinear at the "
-            "larger steps, rounding noise at the smaller"
+            f"no steps between {span} agree within the error bar {E_MAX:g} (true / reported by step: "
+            + ", ".join(f"{r:.4g} at {_fmt_step(s)}" for s, r, _ in valid)
+            + f"; loss noise {noise:.3g}): nonlinear at the larger steps, rounding noise at the smaller"
         ),
     )
 
 
 def _judge_zero(by_step: list[tuple[float, float, float]], noise: float) -> Estimate:
-    """A zero reported gradient: does the loss move along a random direction in the parameters' subspace?
-    It moves when two steps both change it by more than Z_MOVE x the noise, in proportion to the step
-    (a first-order change); it does not when no step up to ZERO_STEP_MAX changes it by that much."""
+    """A zero reported gradient: does the loss move along a direction in the parameters' subspace? It moves
+    when two steps change it in proportion to the step (a first-order change: same sign, ratio within 0.7-1.4
+    of the steps' ratio), the larger by more than Z_MOVE x the noise and the smaller by more than half that;
+    it does not when no step up to ZERO_STEP_MAX changes it by more than the noise."""
     threshold = Z_MOVE * noise
     for (sa, ca, _), (sb, cb, _) in zip(by_step, by_step[1:], strict=False):
-        if abs(ca) > threshold and abs(cb) > threshold and math.isfinite(ca) and math.isfinite(cb):
+        if not (math.isfinite(ca) and math.isfinite(cb)) or cb == 0.0:
+            continue
+        if abs(ca) > threshold and abs(cb) > threshold / 2:
             ratio = ca / (cb * sa / sb)
             if 0.7 <= ratio <= 1.4:
                 return Estimate(
                     ratio=math.inf, error=abs(ratio - 1), step=sb, pair=(sa, sb), reliable=True, moves=True
                 )
+    for a, b, c in zip(by_step, by_step[1:], by_step[2:], strict=False):
+        # three steps in proportion (each ratio within 0.7-1.4), the largest above the threshold: a line through
+        # zero that three measurements agree on, where two would each be too close to the noise
+        values = (a[1], b[1], c[1])
+        if not all(math.isfinite(v) and v != 0.0 for v in values) or abs(a[1]) <= threshold:
+            continue
+        ratios = (a[1] / (b[1] * a[0] / b[0]), b[1] / (c[1] * b[0] / c[0]))
+        if all(0.7 <= r <= 1.4 for r in ratios):
+            error = max(abs(r - 1) for r in ratios)
+            return Estimate(
+                ratio=math.inf, error=error, step=b[0], pair=(a[0], b[0]), reliable=True, moves=True
+            )
     largest, smallest = by_step[0], by_step[-1]
-    if all(abs(c) <= threshold for _, c, _ in by_step):
+    if all(abs(c) <= noise for _, c, _ in by_step):
         if largest[0] * 4 <= ZERO_STEP_MAX and len(by_step) < MAX_LEVELS:
             return Estimate(next_step=largest[0] * 4)
         return Estimate(moves=False, reliable=True, step=largest[0])
-    if len(by_step) < MAX_LEVELS and abs(smallest[1]) / 2 > threshold:
-        return Estimate(next_step=smallest[0] / 2)
+    if len(by_step) < MAX_LEVELS:
+        if largest[0] * 2 <= ZERO_STEP_MAX and abs(largest[1]) <= threshold:
+            return Estimate(next_step=largest[0] * 2)  # a larger change above the noise
+        if abs(smallest[1]) / 2 > threshold / 2:
+            return Estimate(next_step=smallest[0] / 2)  # closer to the linear region
     changes = ", ".join(f"{c:.3g} at {_fmt_step(s)}" for s, c, _ in by_step)
-    return Estimate(
-        reason=f"the loss moves but not in proportion to the step ({changes}; noise {noise:.3g})"
-    )
+    return Estimate(reason=f"the loss moves but not in proportion to the step ({changes}; noise {noise:.3g})")

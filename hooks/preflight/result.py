@@ -13,7 +13,9 @@ from maingrad.contracts.records import SCHEMA_VERSION, WHOLE_CALL
 
 # What a parameter's `verdict` can be besides an anomaly code (or several joined by "+"):
 OK = "ok"  # every law held and the finite-difference estimate agrees within its error bar
-UNUSED = "unused"  # zero gradient and the loss does not move along the parameter (e.g. an expert with no tokens)
+UNUSED = (
+    "unused"  # zero gradient and the loss does not move along the parameter (e.g. an expert with no tokens)
+)
 INCONCLUSIVE = "inconclusive"  # the laws held but no step gave a reliable estimate: `notes` say why
 VERDICTS: tuple[str, ...] = (OK, UNUSED, INCONCLUSIVE, *PREFLIGHT_ANOMALIES)
 STATUSES: tuple[str, ...] = ("pass", "fail", "inconclusive", "error")
@@ -38,7 +40,9 @@ class ParamResult:
     is_fsdp_param: bool = False
     norm_a: float = 0.0  # |G| of the first micro-batch alone
     norm_b: float | None = None  # |G| of the second micro-batch alone (None with one)
-    rel_repeat: float | None = None  # |G(first again) - G(first)| / |G(first)| on the subset (only on failure)
+    rel_repeat: float | None = (
+        None  # |G(first again) - G(first)| / |G(first)| on the subset (only on failure)
+    )
     rel_sum: float | None = None  # |G(sequence) - sum of the singles| / sqrt(sum of |single|^2)
     fit: tuple[float, ...] | None = None  # G(sequence) ~ sum_k c_k G(k-th micro-batch of the sequence)
     rel_twice: float | None = None  # one micro-batch: rel_sum of (A, A) against 2 G(A)
@@ -62,7 +66,7 @@ class ParamResult:
 
     @property
     def verdict(self) -> str:
-        """"ok", "unused", "inconclusive", or the anomaly codes joined by "+" (worst first)."""
+        """ "ok", "unused", "inconclusive", or the anomaly codes joined by "+" (worst first)."""
         if self.anomalies:
             return "+".join(self.anomalies)
         if self.inconclusive:
@@ -237,7 +241,8 @@ class PreflightResult:
             count = sum(row["count"] for row in good if row["verdict"] == OK)
             unused = sum(row["count"] for row in good if row["verdict"] == UNUSED)
             lines.append(
-                f"  {'ok':<30} {count:>4}  ({len(good)} module types)" + (f", {unused} unused" if unused else "")
+                f"  {'ok':<30} {count:>4}  ({len(good)} module types)"
+                + (f", {unused} unused" if unused else "")
             )
         judged = [g for g in self.groups if g.verdict != "not judged"]
         if judged:
@@ -342,7 +347,9 @@ def _measured(p: ParamResult) -> str:
     if p.rel_sum is not None:
         parts.append(f"|G(seq)-sum of singles| {_fmt(p.rel_sum)}")
     if p.fit is not None:
-        parts.append("G(seq) = " + " + ".join(f"{c:.2f} g{k + 1}" for k, c in enumerate(p.fit)) + " (by position)")
+        parts.append(
+            "G(seq) = " + " + ".join(f"{c:.2f} g{k + 1}" for k, c in enumerate(p.fit)) + " (by position)"
+        )
     if p.fd_scale is not None:
         err = f" +-{p.fd_error:.2g}" if p.fd_error is not None else ""
         parts.append(f"reported/estimated x{p.fd_scale:.3g}{err}")

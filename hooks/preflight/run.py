@@ -55,8 +55,8 @@ from maingrad.hooks.preflight import judge
 from maingrad.hooks.preflight.measure import (
     E_MAX,
     STEP0,
-    ZERO_STEP0,
     Z_MOVE,
+    ZERO_STEP0,
     Dist,
     Estimate,
     Stats,
@@ -64,6 +64,9 @@ from maingrad.hooks.preflight.measure import (
     copies,
     copy_dtype,
     flat,
+    foreach_copy_,
+    foreach_mul_,
+    foreach_sub_,
     fused_kinds,
     judge_levels,
     leaf_pattern,
@@ -81,6 +84,7 @@ LossFn = Callable[[torch.nn.Module, Any], Any]
 FD_GROUPS: tuple[str, ...] = ("mechanism", "module_type", "param")
 MAX_MICROBATCHES = 16  # taken from an iterator at most (a list must not be longer: say so, never cut it)
 MIN_DISTINCT = 3
+UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
 
 
 class _Node:
@@ -98,6 +102,59 @@ class _Node:
     @property
     def zero(self) -> bool:
         return self.probe.zero_gradient
+
+
+class _Moves:
+    """How a probe moves its weights: along the (copied) reported gradient, each weight by `step` x its own
+    norm; along its weights plus a random part where the reported gradient is zero; or by two units of
+    round-off with random signs (the noise). Sizes come from one host transfer of the norms."""
+
+    def __init__(self, check: Check) -> None:
+        self.check = check
+        self.directions = list(check.copy)
+        n = len(self.directions)
+        present = [i for i, f in enumerate(self.directions) if f is not None]
+        values: list[float] = []
+        if present:
+            targets = [check.adapter.target(check.entries[i]) for i in present]
+            values = norms(some(self.directions, present) + targets).double().cpu().tolist()
+        check.syncs += 1
+        self.gnorm, self.tnorm = [0.0] * n, [0.0] * n
+        for j, i in enumerate(present):
+            self.gnorm[i], self.tnorm[i] = values[j], values[len(present) + j]
+        for i, f in enumerate(self.directions):
+            if f is None:
+                self.tnorm[i] = float(norm(check.adapter.target(check.entries[i])))
+        self.nonzero = [i for i in present if self.gnorm[i] > 0 and math.isfinite(self.gnorm[i])]
+
+    def size(self, i: int, t: torch.Tensor) -> float:
+        """|move| per unit step: the weights' norm (at least sqrt(numel) x 2^-7, for weights initialised to 0)."""
+        return max(self.tnorm[i], math.sqrt(t.numel()) * 2.0**-7)
+
+    def along(self, step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        def delta(i: int, t: torch.Tensor) -> torch.Tensor:
+            g = cast(torch.Tensor, self.directions[i])
+            return g.float().view(t.shape) * (step * self.size(i, t) / self.gnorm[i])
+
+        return delta
+
+    def random(self, step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """Zero reported gradient: along the weights themselves (radial: no dilution by sqrt(numel)) plus a
+        random +-1 part (a scale-invariant weight moves the loss only off the radial direction)."""
+
+        def delta(i: int, t: torch.Tensor) -> torch.Tensor:
+            gen = torch.Generator(device=t.device).manual_seed(1009 + i)
+            d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
+            d = d * (self.tnorm[i] / math.sqrt(max(t.numel(), 1)) / 2) + t.float()
+            return d * (step * self.size(i, t) / torch.linalg.vector_norm(d).clamp_min(1e-30))
+
+        return delta
+
+    def jitter(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator(device=t.device).manual_seed(7919 + i)
+        d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
+        u = unit_roundoff(self.check.adapter.compute_dtype(self.check.entries[i]))
+        return d * t.float().abs() * (2 * u)
 
 
 class Check:
@@ -130,7 +187,9 @@ class Check:
         self.fd_rtol = fd_rtol
         self.rtol = rtol
         n = len(batches)
-        self.order = [*range(1, n), 0] if n > 1 else [0, 0]  # the sequence, rotated by one against the singles
+        self.order = (
+            [*range(1, n), 0] if n > 1 else [0, 0]
+        )  # the sequence, rotated by one against the singles
         entries = adapter.entries
         if params is not None:
             patterns = [params] if isinstance(params, str) else list(params)
@@ -140,6 +199,7 @@ class Check:
         self.forwards = 0
         self.syncs = 0
         self.evaluations = 0
+        self.rounds = 0
         self.timings: dict[str, float] = {}
         self.dist = Dist(sharded=adapter.sharded)
         kinds = fused_kinds(model)
@@ -159,6 +219,9 @@ class Check:
         self.uninstalled = False  # weights moved or restored in place since the last commit()
         self.invisible = False  # no probe's perturbation ever moved the loss (set by fd())
         self.loss_level = 0.0
+        self.loss_unit = unit_roundoff(torch.float32)
+        self.zero_noise = 0.0
+        self.residuals: list[float] = []  # |C - r P| at the accepted steps of reliable estimates
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{leaf_pattern(e.leaf)}"
@@ -270,7 +333,9 @@ class Check:
                 self.results[i].dtype = str(f.dtype)
         idx = [i for i, f in enumerate(flats) if f is not None]
         live = some(flats, idx)
-        views = copies(live, [copy_dtype(f.dtype, self.tolerance(i, f.dtype)) for i, f in zip(idx, live, strict=True)])
+        views = copies(
+            live, [copy_dtype(f.dtype, self.tolerance(i, f.dtype)) for i, f in zip(idx, live, strict=True)]
+        )
         for i, view in zip(idx, views, strict=True):
             self.copy[i] = view
             self.copy_bytes += view.numel() * view.element_size()
@@ -299,12 +364,12 @@ class Check:
         copy = self.copy
         held = [i for i, c in enumerate(copy) if c is not None]
         if len(self.batches) == 1 and held:
-            torch._foreach_mul_(some(copy, held), 2.0)  # (A, A) against 2 G(A)
+            foreach_mul_(some(copy, held), 2.0)  # (A, A) against 2 G(A)
         flats = self._run("seq", self.order)
         both = [i for i in self.present["seq"] if copy[i] is not None]
         if both:
             cs = some(copy, both)
-            torch._foreach_sub_(cs, some(flats, both))
+            foreach_sub_(cs, some(flats, both))
             self.stats.add("d2", both, norms(cs) ** 2)
         only_seq = [i for i in self.present["seq"] if copy[i] is None]
         if only_seq:
@@ -323,6 +388,7 @@ class Check:
         """The first micro-batch again from zeroed buffers, compared with its first run on the subset."""
         self._run("r", [0])
         self.subsets.distance2(self.stats, "rep2", "r", "s0", suspects)
+        self.subsets.gram(self.stats, ["s0"], only=suspects)
         return self.host()
 
     # -- loss evaluations ---------------------------------------------------------------------------------------
@@ -343,6 +409,7 @@ class Check:
             )
         if not isinstance(loss, torch.Tensor):
             loss = torch.tensor(float(loss))
+        self.loss_unit = max(self.loss_unit, unit_roundoff(loss.dtype))  # a bf16 loss is quantized to it
         return self.dist.mean_loss(loss)
 
     def _evaluate(
@@ -382,7 +449,7 @@ class Check:
             self.evaluations += 1
         finally:
             with torch.no_grad():
-                torch._foreach_copy_(targets, saved)
+                foreach_copy_(targets, saved)
             self.synced, self.uninstalled = False, True  # restored, installed by the next commit
         device = loss.device
         pred = torch.stack([p.to(device) for p in parts]).sum() if parts else torch.zeros((), device=device)
@@ -391,114 +458,106 @@ class Check:
     # -- finite differences -------------------------------------------------------------------------------------
     def fd(self) -> None:
         """The probes: groups first, bisected where their estimate deviates, one host transfer per round."""
-        directions = list(self.copy)
-        n = len(directions)
-        present = [i for i, f in enumerate(directions) if f is not None]
-        values: list[float] = []
-        if present:  # sync: the steps' sizes
-            targets = [self.adapter.target(self.entries[i]) for i in present]
-            values = norms(some(directions, present) + targets).double().cpu().tolist()
-        self.syncs += 1
-        gnorm, tnorm = [0.0] * n, [0.0] * n
-        for j, i in enumerate(present):
-            gnorm[i], tnorm[i] = values[j], values[len(present) + j]
-        for i, f in enumerate(directions):
-            if f is None:
-                tnorm[i] = float(norm(self.adapter.target(self.entries[i])))
-
-        def size(i: int, t: torch.Tensor) -> float:
-            return max(tnorm[i], math.sqrt(t.numel()) * 2.0**-7)
-
-        def along(step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
-            def delta(i: int, t: torch.Tensor) -> torch.Tensor:
-                g = cast(torch.Tensor, directions[i])
-                return g.float().view(t.shape) * (step * size(i, t) / gnorm[i])
-
-            return delta
-
-        def random(step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
-            def delta(i: int, t: torch.Tensor) -> torch.Tensor:
-                gen = torch.Generator(device=t.device).manual_seed(1009 + i)
-                d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
-                return d * (step * size(i, t) / math.sqrt(max(t.numel(), 1)))
-
-            return delta
-
-        def jitter(i: int, t: torch.Tensor) -> torch.Tensor:
-            gen = torch.Generator(device=t.device).manual_seed(7919 + i)
-            d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
-            u = unit_roundoff(self.adapter.compute_dtype(self.entries[i]))
-            return d * t.float().abs() * (2 * u)
-
+        moves = _Moves(self)
         groups: dict[tuple[str, bool], list[int]] = {}
         for i, r in enumerate(self.results):
-            if not math.isfinite(gnorm[i]):
+            if not math.isfinite(moves.gnorm[i]):
                 continue  # a non-finite gradient has no direction to probe
-            groups.setdefault((r.group, not gnorm[i] > 0.0), []).append(i)
+            groups.setdefault((r.group, not moves.gnorm[i] > 0.0), []).append(i)
         roots: list[_Node] = []
         for (key, zero), indexes in groups.items():
             roots.append(self._node(key + (" (zero gradient)" if zero else ""), indexes, zero, 0))
-
-        # round 1: the noise and every group at two steps
         requests: list[tuple[_Node, float]] = []
         for node in roots:
-            s0 = ZERO_STEP0 if node.zero else self.fd_step
+            s0 = ZERO_STEP0 if node.zero else max(self.fd_step, 4 * node.probe.unit)  # moves of >= 4 units
             requests += [(node, s0), (node, s0 / 2)]
-        nonzero = [i for i in present if gnorm[i] > 0 and math.isfinite(gnorm[i])]
+        waiting: list[_Node] = []
         first = True
         while requests:
-            pending: list[tuple[_Node, float, torch.Tensor, torch.Tensor]] = []
-            noise_parts: list[torch.Tensor] = []
-            if first and nonzero:
-                plus, pp = self._evaluate(nonzero, jitter, directions, 1.0)
-                minus, pm = self._evaluate(nonzero, jitter, directions, -1.0)
-                noise_parts = [(plus - minus) / 2, (pp - pm) / 2, (plus + minus) / 2]
-            for node, step in requests:
-                if step in node.inferred:
-                    continue
-                maker = random(step) if node.zero else along(step)
-                lp, pp = self._evaluate(node.indexes, maker, directions, 1.0)
-                lm, pm = self._evaluate(node.indexes, maker, directions, -1.0)
-                pending.append((node, step, (lp.double() - lm.double()) / 2, (pp - pm) / 2))
-            self._commit()  # the restored weights, installed once per round
-            host = self._to_host([c for _, _, c, _ in pending] + noise_parts[:1] + noise_parts[2:],
-                                 [p for _, _, _, p in pending] + noise_parts[1:2])  # fmt: skip
-            cs, ps = host
-            if first:
-                first = False
-                floor = 8 * unit_roundoff(torch.float32)
-                if noise_parts:
-                    c_j, l_mean, p_j = cs[len(pending)], cs[len(pending) + 1], ps[len(pending)]
-                    self.noise = max(2 * abs(c_j - p_j), floor * abs(l_mean))
-                    self.loss_level = l_mean
-                else:
-                    self.noise = 0.0
-            touched: list[_Node] = []
-            for j, (node, step, _, _) in enumerate(pending):
-                node.levels[step] = (cs[j], ps[j])
-                if node not in touched:
-                    touched.append(node)
-            for node, _ in requests:
-                if node.inferred and node not in touched:
-                    parent, sibling = cast(_Node, node.parent), cast(_Node, node.sibling)
-                    for step in sorted(node.inferred):
-                        if step in parent.levels and step in sibling.levels:
-                            pc, pp_ = parent.levels[step]
-                            sc, sp = sibling.levels[step]
-                            node.levels[step] = (pc - sc, pp_ - sp)
-                    node.inferred = set()
-                    touched.append(node)
+            touched = self._round(moves, requests, first)
+            first = False
             requests = []
             for node in touched:
-                levels = [(s, c, p) for s, (c, p) in node.levels.items()]
-                est = judge_levels(levels, self.noise, node.zero)
-                node.probe.levels = sorted(levels, reverse=True)
-                node.probe.noise = self.noise
-                if est.next_step is not None:
-                    requests.append((node, est.next_step))
-                else:
-                    requests += self._finish(node, est)
+                if node.zero:
+                    waiting.append(node)  # judged once the nonzero probes have measured the noise
+                    continue
+                requests += self._judge(node, self.noise)
+            if waiting and not any(not node.zero for node, _ in requests):
+                self.zero_noise = self._zero_noise()
+                for node in waiting:
+                    requests += self._judge(node, self.zero_noise)
+                waiting = []
         self._check_visible(roots)
+
+    def _round(self, moves: _Moves, requests: list[tuple[_Node, float]], first: bool) -> list[_Node]:
+        """Evaluate every requested (probe, step) at +- the step (and, in the first round, the noise), install
+        the restored weights once, bring the numbers to the host in one transfer; the probes touched."""
+        pending: list[tuple[_Node, float, torch.Tensor, torch.Tensor]] = []
+        noise_parts: list[torch.Tensor] = []
+        if first and moves.nonzero:
+            plus, pp = self._evaluate(moves.nonzero, moves.jitter, moves.directions, 1.0)
+            minus, pm = self._evaluate(moves.nonzero, moves.jitter, moves.directions, -1.0)
+            noise_parts = [(plus - minus) / 2, (plus + minus) / 2, (pp - pm) / 2]
+        for node, step in requests:
+            if step in node.inferred:
+                continue
+            maker = moves.random(step) if node.zero else moves.along(step)
+            lp, pp = self._evaluate(node.indexes, maker, moves.directions, 1.0)
+            lm, pm = self._evaluate(node.indexes, maker, moves.directions, -1.0)
+            pending.append((node, step, (lp.double() - lm.double()) / 2, (pp - pm) / 2))
+        self._commit()  # the restored weights, installed once per round
+        self.rounds += 1
+        cs, ps = self._to_host(
+            [c for _, _, c, _ in pending] + noise_parts[:2], [p for _, _, _, p in pending] + noise_parts[2:]
+        )
+        if first and noise_parts:
+            c_j, l_mean, p_j = cs[len(pending)], cs[len(pending) + 1], ps[len(pending)]
+            self.loss_level = l_mean
+            self.noise = max(2 * abs(c_j - p_j), self._floor())
+        touched: list[_Node] = []
+        for j, (node, step, _, _) in enumerate(pending):
+            node.levels[step] = (cs[j], ps[j])
+            if node not in touched:
+                touched.append(node)
+        for node, _ in requests:
+            if node.inferred and node not in touched:
+                parent, sibling = cast(_Node, node.parent), cast(_Node, node.sibling)
+                for step in sorted(node.inferred):
+                    if step in parent.levels and step in sibling.levels:
+                        pc, pp_ = parent.levels[step]
+                        sc, sp = sibling.levels[step]
+                        node.levels[step] = (pc - sc, pp_ - sp)
+                node.inferred = set()
+                touched.append(node)
+        return touched
+
+    def _judge(self, node: _Node, noise: float) -> list[tuple[_Node, float]]:
+        levels = [(s, c, p) for s, (c, p) in node.levels.items()]
+        est = judge_levels(levels, noise, node.zero, self._floor())
+        node.probe.levels = sorted(levels, reverse=True)
+        node.probe.noise = noise
+        if est.next_step is not None:
+            return [(node, est.next_step)]
+        if not node.zero and est.reliable and est.ratio is not None and est.pair is not None:
+            r = est.ratio
+            self.residuals += [
+                abs(node.levels[s][0] - r * node.levels[s][1]) for s in est.pair if s in node.levels
+            ]
+        return self._finish(node, est)
+
+    def _floor(self) -> float:
+        """The loss's own round-off: 8 units of fp32, or 2 units of the loss's dtype where that is coarser
+        (a bf16 loss moves in steps of its unit: a central difference is off by up to one)."""
+        return max(8 * unit_roundoff(torch.float32), 2 * self.loss_unit) * abs(self.loss_level)
+
+    def _zero_noise(self) -> float:
+        """The noise zero-gradient probes are judged against: the jitter's, or what the reliable estimates
+        show (the largest residual of their accepted steps) where that is smaller; never below the loss's
+        own fp32 round-off."""
+        floor = self._floor()
+        if self.residuals:
+            return max(min(self.noise, 2 * max(self.residuals)), floor)
+        return max(self.noise, floor)
 
     def _node(self, key: str, indexes: list[int], zero: bool, depth: int) -> _Node:
         probe = Probe(key=key, names=[self.entries[i].name for i in indexes], zero_gradient=zero, depth=depth)
@@ -513,8 +572,16 @@ class Check:
         if not cs and not ps:
             return [], []
         device = (cs or ps)[0].device
-        c = torch.stack([x.to(device).double().reshape(()) for x in cs]) if cs else torch.zeros(0, device=device)
-        p = torch.stack([x.to(device).double().reshape(()) for x in ps]) if ps else torch.zeros(0, device=device)
+        c = (
+            torch.stack([x.to(device).double().reshape(()) for x in cs])
+            if cs
+            else torch.zeros(0, device=device)
+        )
+        p = (
+            torch.stack([x.to(device).double().reshape(()) for x in ps])
+            if ps
+            else torch.zeros(0, device=device)
+        )
         p = self.dist.sum_stats(p)
         values = torch.cat([c, p]).cpu().tolist()
         return values[: len(cs)], values[len(cs) :]
@@ -547,12 +614,16 @@ class Check:
             return self._set(node, "inconclusive")
         dev = abs(math.log(r))
         if est.reliable:
-            if multi:
-                return self._set(node, "ok") if dev <= 3 * err + ltol / 4 else self._split(node, est)
+            if (
+                multi
+            ):  # exact blame: a deviation beyond one error bar is bisected (leaves are judged at three)
+                return self._set(node, "ok") if dev <= err + 1e-9 else self._split(node, est)
             if dev <= ltol + 3 * err:
                 return self._set(node, "ok")
-        elif not (dev > ltol + 3 * err and err < 0.5):
+        elif not (est.off or (dev > ltol + 3 * err and err < 0.5)):
             probe.reason = est.reason
+            if multi and probe.depth < UNRELIABLE_SPLITS:  # smaller parts may be linear at a larger step
+                return self._split(node, est)
             return self._set(node, "inconclusive")
         if multi:
             return self._split(node, est)
@@ -775,7 +846,9 @@ def _execute(check: Check) -> PreflightResult:
             "(a cached copy of the weights?); run with finite_differences=False or pass a wrapper= Adapter"
         )
         for r in check.results:
-            r.anomalies = [a for a in r.anomalies if a not in ("grad_scaled", "grad_inconsistent", "grad_lost")]
+            r.anomalies = [
+                a for a in r.anomalies if a not in ("grad_scaled", "grad_inconsistent", "grad_lost")
+            ]
             r.inconclusive = r.unused = False
     seconds = time.perf_counter() - started
     failing = any(r.anomalies for r in check.results)
@@ -789,6 +862,7 @@ def _execute(check: Check) -> PreflightResult:
         "loss_evaluations": check.evaluations,
         "fd_groups": sum(1 for p in check.probes if p.depth == 0),
         "fd_probes": len(check.probes),
+        "fd_rounds": check.rounds,
         "bisection_depth": depth,
         "params": len(check.entries),
         "microbatches": len(check.batches),
@@ -835,7 +909,12 @@ def _classify(check: Check) -> dict[str, Any]:
     host = check.host()
     n = len(check.batches)
     kind = check.adapter.kind
-    check.apply_fd()
+    for e, r in zip(check.entries, check.results, strict=True):
+        flag = getattr(e.raw_param, "overwrite_main_grad", None)
+        r.overwrite_main_grad = flag if isinstance(flag, bool) else None
+        r.has_main_grad = hasattr(e.raw_param, "main_grad")
+        r.is_fsdp_param = hasattr(e.raw_param, "__fsdp_param__")
+    check.apply_fd()  # the notes read the flags
     tol_used: list[float] = []
 
     def get(key: str, i: int) -> float | None:
@@ -844,14 +923,9 @@ def _classify(check: Check) -> dict[str, Any]:
 
     singles = [f"s{k}" for k in range(n)]
     for i, (e, r) in enumerate(zip(check.entries, check.results, strict=True)):
-        raw = e.raw_param
         r.dtype = r.dtype or str(e.opt_param.dtype)
         r.shape = list(e.opt_param.shape)
         r.device = str(e.opt_param.device)
-        flag = getattr(raw, "overwrite_main_grad", None)
-        r.overwrite_main_grad = flag if isinstance(flag, bool) else None
-        r.has_main_grad = hasattr(raw, "main_grad")
-        r.is_fsdp_param = hasattr(raw, "__fsdp_param__")
         grad_dtype = getattr(torch, r.dtype.replace("torch.", ""), e.opt_param.dtype)
         tol = check.tolerance(i, grad_dtype)
         r.tolerance = tol
@@ -910,9 +984,14 @@ def _classify(check: Check) -> dict[str, Any]:
         "linearity_max": max(tol_used) if tol_used else None,
         "fd": "central differences at two steps agreeing within the error bar "
         f"(at most {E_MAX}); beyond the bar a factor may differ from 1 by "
-        + ("16 x unit round-off of the compute dtype" if check.fd_rtol is None else f"fd_rtol={check.fd_rtol}"),
+        + (
+            "16 x unit round-off of the compute dtype"
+            if check.fd_rtol is None
+            else f"fd_rtol={check.fd_rtol}"
+        ),
         "fd_first_step": check.fd_step,
         "fd_noise": check.noise,
+        "fd_zero_noise": check.zero_noise,
         "repeat": "the first micro-batch is repeated only where a verdict failed",
         "copy_dtypes": sorted(check.copy_dtypes),
     }

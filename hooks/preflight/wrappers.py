@@ -253,7 +253,7 @@ class MegatronFsdpAdapter(Adapter):
     def finish(self) -> None:
         self.model.finish_grad_sync()
 
-    def _installer(self) -> Callable[[], None] | None:
+    def _installer(self) -> Callable[[], object] | None:
         for obj in (self.model, getattr(self.model, "module", None)):
             install = getattr(obj, "install_optimized_model_weights", None)
             if callable(install):
