@@ -344,7 +344,9 @@ class Estimate:
     step: float | None = None  # the accepted step
     pair: tuple[float, float] | None = None  # the two steps the estimate rests on (larger, smaller)
     reliable: bool = False
-    off: bool = False  # no step agreed, but at every step the ratio is off 1 by more than OFF beyond the noise
+    off: bool = (
+        False  # no step agreed, but at every step the ratio is off 1 by more than OFF beyond the noise
+    )
     moves: bool | None = None  # zero-gradient probes: the loss moves along the direction
     reason: str = ""
 
@@ -394,8 +396,9 @@ def judge_levels(
         # Over steps spanning 4x and more, truncation shrinks 16x from the largest to the smallest: a correct
         # gradient cannot be off by more than OFF at every one of them unless rounding noise is that large,
         # which the noise term excludes.
-        low = all(r * (1 + max(noise, floor) / abs(p)) < 1 / (1 + OFF) for _, r, p in valid)
-        high = all(r * (1 - max(noise, floor) / abs(p)) > 1 + OFF for _, r, p in valid)
+        bars = [max(noise, floor) / abs(p) for _, _, p in valid]  # r's error from the loss's noise
+        low = all(r + bar < 1 / (1 + OFF) for (_, r, _), bar in zip(valid, bars, strict=True))
+        high = all(r - bar > 1 + OFF for (_, r, _), bar in zip(valid, bars, strict=True))
         if low or high:
             rs = sorted(r for _, r, _ in valid)
             mid = rs[len(rs) // 2]

@@ -607,20 +607,22 @@ class Check:
         probe.scale = 1 / r if r != 0 else math.inf
         ltol = math.log1p(node.tol)
         if not (r > 0 and math.isfinite(r)):
-            if est.reliable or err < 1:
+            if est.reliable or est.off:
                 probe.reason = f"true / reported {r:.3g}: the reported gradient points the wrong way"
                 return self._split(node, est) if multi else self._set(node, "wrong")
             probe.reason = est.reason
+            if multi and probe.depth < UNRELIABLE_SPLITS:
+                return self._split(node, est)
             return self._set(node, "inconclusive")
         dev = abs(math.log(r))
         if est.reliable:
-            if (
-                multi
-            ):  # exact blame: a deviation beyond one error bar is bisected (leaves are judged at three)
+            # exact blame: a group deviating by more than one error bar is bisected; a parameter alone is judged
+            # at three error bars plus the dtype's tolerance
+            if multi:
                 return self._set(node, "ok") if dev <= err + 1e-9 else self._split(node, est)
             if dev <= ltol + 3 * err:
                 return self._set(node, "ok")
-        elif not (est.off or (dev > ltol + 3 * err and err < 0.5)):
+        elif not est.off:  # never a verdict from an estimate that did not check itself
             probe.reason = est.reason
             if multi and probe.depth < UNRELIABLE_SPLITS:  # smaller parts may be linear at a larger step
                 return self._split(node, est)

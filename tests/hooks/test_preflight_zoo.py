@@ -52,9 +52,11 @@ def test_correct_models_pass(model_name: str) -> None:
     assert result.status == "pass", result.table()
     assert all(p.verdict in ("ok", "unused") for p in result.params)
     assert all(p.verdict in VERDICTS for p in result.params)
-    if model_name.startswith("moe"):  # the expert that gets no token: probed, the loss does not move
+    if model_name.startswith("moe"):  # experts that get no token: probed, the loss does not move
         unused = {p.name for p in result.params if p.verdict == "unused"}
-        assert unused and all(name.startswith("experts.3.") for name in unused), result.table()
+        assert {f"experts.3.w{k}.{leaf}" for k in (1, 2) for leaf in ("weight", "bias")} <= unused
+        assert all(name.startswith("experts.") for name in unused), result.table()
+        assert all(p.norm_a == 0 for p in result.params if p.name in unused)
 
 
 CASES = [
