@@ -3,7 +3,7 @@
     handle = maingrad.hooks.install(model)   # after wrapping with DDP / Megatron-FSDP
     ...; handle.step(); ...; print(handle.summary()); handle.remove()
 
-    print(maingrad.hooks.preflight(model, run_microbatch, [batch_a, batch_b], loss_fn=loss_fn))  # once, before
+    print(maingrad.hooks.preflight(model, run_microbatch, batches, loss_fn=loss_fn))  # once, before training
 
 Attributes load lazily, so `import maingrad.hooks` (and the `maingrad` CLI) does not import torch.
 """

@@ -1026,7 +1026,7 @@ def preflight_from_env(
 ) -> PreflightResult | None:
     """One line in a training script, switched from the environment (`maingrad preflight --script` sets it):
 
-        maingrad.hooks.preflight_from_env(model, run_microbatch, [batch_a, batch_b], loss_fn=loss_fn)
+        maingrad.hooks.preflight_from_env(model, run_microbatch, batches, loss_fn=loss_fn)
 
     MAINGRAD_PREFLIGHT: "off"/unset does nothing (returns None, batches untouched); "warn" runs the check and
     prints the table on rank 0; "on" also raises PreflightFailed when it failed (not when only inconclusive);
