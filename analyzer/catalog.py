@@ -39,6 +39,7 @@ class RuleMeta:
     docs: str
     needles: tuple[Needle, ...]
     fixable: bool
+    default: bool = True  # False: opt-in, selected only by name (see `Config.selected`)
 
     def info(self, severity: Severity | None = None) -> RuleInfo:
         return RuleInfo(self.id, self.name, severity or self.severity, self.summary, self.help_uri)
@@ -60,6 +61,7 @@ class RuleMeta:
             docs=data["docs"],
             needles=tuple(n if isinstance(n, str) else tuple(n) for n in data["needles"]),
             fixable=bool(data["fixable"]),
+            default=bool(data.get("default", True)),
         )
 
 
@@ -164,6 +166,7 @@ def _meta(rule: type[Rule]) -> RuleMeta:
         docs=rule.docs,
         needles=tuple(rule.needles),
         fixable=bool(rule.fixable),
+        default=bool(rule.default),
     )
 
 

@@ -1,8 +1,9 @@
 """`maingrad check`, `maingrad fix`, `maingrad rules`, `maingrad explain`.
 
-Exit codes (also in `check --help`, `fix --help` and the README): 0 no findings and every file analyzed,
-1 findings or a path that could not be analyzed (MG999) (with --diff: changes to apply), 2 usage,
-configuration or internal error. Every error is one line on stderr (`maingrad: error: ...`), never a
+Exit codes (also in `check --help`, `fix --help` and the README): 0 no finding at or above `--fail-on`
+(default: error, the service gate's default) and every file analyzed, 1 such findings or a path that could
+not be analyzed (MG999) (with --diff: changes to apply), 2 usage, configuration or internal error, or no
+Python file to check. Every error is one line on stderr (`maingrad: error: ...`), never a
 traceback (set MAINGRAD_DEBUG=1 to get one for an internal error). libcst is imported only when some file
 actually has to be parsed.
 """
@@ -26,23 +27,36 @@ from maingrad.analyzer.config import (
     parse_codes,
     validate_codes,
 )
-from maingrad.contracts.report import Severity
+from maingrad.contracts.report import DEFAULT_FAIL_ON, Severity
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 
-CHECK_EXIT_CODES = """\
+CHECK_EXIT_CODES = f"""\
 exit codes:
-  0  no findings, and every file was analyzed
-  1  findings, or a path that could not be read, decoded or parsed (MG999); with --diff: fixes to apply
-  2  usage, configuration or internal error (e.g. a rule failed on a file)
---exit-zero turns 1 into 0."""
+  0  no finding at or above --fail-on (default: {DEFAULT_FAIL_ON.value}), and every file was analyzed
+  1  findings at or above --fail-on, or a path that could not be read, decoded or parsed (MG999);
+     with --diff: fixes to apply
+  2  usage, configuration or internal error (e.g. a rule failed on a file), or no Python file to check
+--exit-zero turns 1 into 0. --fail-on's default is the service gate's (MAINGRAD_GATE_FAIL_SEVERITY), so
+what passes the gate passes check."""
 
-FIX_EXIT_CODES = """\
+FIX_EXIT_CODES = f"""\
 exit codes:
-  0  nothing left to report after fixing (with --diff: nothing to fix)
-  1  findings remain, or a path could not be analyzed (MG999); with --diff: fixes to apply
-  2  usage, configuration or internal error (e.g. a fix failed on a file)
+  0  nothing at or above --fail-on (default: {DEFAULT_FAIL_ON.value}) left after fixing (with --diff: nothing
+     to fix)
+  1  such findings remain, or a path could not be analyzed (MG999); with --diff: fixes to apply
+  2  usage, configuration or internal error (e.g. a fix failed on a file), or no Python file to check
 Unsafe fixes (listed as hidden fixes) are applied only with --unsafe-fixes."""
+
+RULES_EXIT_CODES = """\
+exit codes:
+  0  the rules were listed
+  2  usage error"""
+
+EXPLAIN_EXIT_CODES = """\
+exit codes:
+  0  the rule's documentation was printed
+  2  unknown rule, or usage error"""
 
 # Explicitly named files are analyzed only when they are Python source: these suffixes, the configured
 # `include` patterns, or a script whose first line is a python shebang.
@@ -71,12 +85,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_scan_arguments(fix)
     fix.set_defaults(handler=run_check, fix_command=True, fix=True)
 
-    rules = subparsers.add_parser("rules", help="list the rules")
+    rules = subparsers.add_parser(
+        "rules",
+        help="list the rules",
+        description="List the rules (FIX: safe, unsafe (needs --unsafe-fixes), or both, case by case).",
+        epilog=RULES_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     rules.add_argument("--format", choices=("text", "json"), default="text")
     rules.set_defaults(handler=run_rules)
 
     explain = subparsers.add_parser(
-        "explain", help="print a rule's documentation", description="Print a rule's documentation."
+        "explain",
+        help="print a rule's documentation",
+        description="Print a rule's documentation.",
+        epilog=EXPLAIN_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     explain.add_argument("rule", metavar="RULE", help="rule id or name, e.g. MG001")
     explain.add_argument(
@@ -114,6 +138,15 @@ def _add_scan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--exit-zero", action="store_true", help="exit 0 even when there are findings")
     parser.add_argument(
+        "--fail-on",
+        type=Severity,
+        choices=list(Severity),
+        default=DEFAULT_FAIL_ON,
+        metavar="{info,warning,error}",
+        help=f"the lowest severity that makes the exit status 1 (default: {DEFAULT_FAIL_ON.value}, as the "
+        "service gate); findings below it are still reported",
+    )
+    parser.add_argument(
         "--diff-only",
         "--changed-since",
         dest="diff_only",
@@ -129,7 +162,16 @@ def _add_scan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--statistics", action="store_true", help="print counts per rule instead of findings")
     parser.add_argument("--quiet", "-q", action="store_true", help="findings only: no summary, no progress")
-    parser.add_argument("--show-source", action="store_true", help="show source lines with a caret")
+    parser.add_argument(
+        "--concise",
+        action="store_true",
+        help="one line per finding: no code frame, no detail, no `maingrad explain` pointer",
+    )
+    parser.add_argument(
+        "--show-source",
+        action="store_true",
+        help="show the code frame (the default for text output; kept for scripts that pass it)",
+    )
     parser.add_argument(
         "--force-exclude", action="store_true", help="apply excludes to explicitly named files too"
     )
@@ -238,7 +280,7 @@ def _scan_settings(args: argparse.Namespace, config: Config, catalog: tuple[Any,
     if args.ignore:
         check_codes(args.ignore, known, "--ignore")
     validate_codes(config, (*known, UNUSED_SUPPRESSION_ID))
-    selected = set(config.selected(known))
+    selected = set(config.selected(known, opt_in=(r.id for r in catalog if not r.default)))
     return ScanSettings(
         rules=tuple(r for r in catalog if r.id in selected),
         known_ids=known,
@@ -278,6 +320,8 @@ def _run_check(args: argparse.Namespace) -> int:
         force_exclude=args.force_exclude,
         skipped=skipped,
     )
+    if not files and not skipped:
+        return _nothing_to_check(args, paths)
     changed = None
     if args.diff_only:  # before any work: a bad revision is a usage error
         from maingrad.analyzer.changes import ChangesError, changed_lines
@@ -329,9 +373,27 @@ def _run_check(args: argparse.Namespace) -> int:
     _write_report(args, config, catalog, settings, report)
     if result.internal_errors or fix_status == EXIT_ERROR:
         return EXIT_ERROR
-    if (report.findings or report.parse_errors) and not args.exit_zero:
+    failing = any(f.severity.rank >= args.fail_on.rank for f in report.findings)
+    if (failing or report.parse_errors) and not args.exit_zero:
         return EXIT_FINDINGS
     return EXIT_OK
+
+
+def _nothing_to_check(args: argparse.Namespace, paths: Sequence[Path]) -> int:
+    """No file to analyze: a usage error (exit 2, with the reason), unless every path is a file the project
+    excludes and --force-exclude says to honour that (pre-commit passing excluded files: exit 0)."""
+    if args.force_exclude and all(p.is_file() for p in paths):
+        if not args.quiet:
+            print(
+                "maingrad: every file named is excluded ([tool.maingrad] exclude or .gitignore)",
+                file=sys.stderr,
+            )
+        return EXIT_OK
+    shown = " ".join(str(p) for p in paths)
+    return _error(
+        f"no Python file to check in {shown} (files ending in {' or '.join(PYTHON_SUFFIXES)} or matching "
+        "[tool.maingrad] include, not excluded by [tool.maingrad] exclude or .gitignore); nothing was checked"
+    )
 
 
 def _would_fix(files: int, hidden: int) -> str:
@@ -358,7 +420,7 @@ def _write_report(
     options = OutputOptions(
         root=config.root,
         color=not to_file and _want_color(stream),
-        show_source=args.show_source,
+        show_source=not args.concise,
         statistics=args.statistics,
         quiet=args.quiet,
         rules=meta,
@@ -366,6 +428,7 @@ def _write_report(
         hidden_fixes=0
         if args.unsafe_fixes
         else sum(1 for f in report.findings if f.fix_applicability == "unsafe"),
+        fail_on=None if args.exit_zero else args.fail_on,
     )
     fmt = "text" if args.statistics else args.format
     pieces = iter_render(fmt, report, options)  # written piece by piece: never the whole text at once
@@ -451,12 +514,31 @@ def run_rules(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps([{k: v for k, v in r.to_dict().items() if k != "docs"} for r in rules], indent=2))
         return EXIT_OK
+    from maingrad.analyzer.docs import fix_safety
+
     header = ("ID", "NAME", "SEVERITY", "FIX", "SUMMARY")
-    rows = [(r.id, r.name, r.severity.value, "yes" if r.fixable else "", r.summary) for r in rules]
+    rows = [
+        (
+            r.id,
+            r.name,
+            r.severity.value,
+            _fix_column(r.fixable, fix_safety(r.id)),
+            r.summary + ("" if r.default else " (opt-in)"),
+        )
+        for r in rules
+    ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(4)]
     for row in (header, *rows):
         print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
     return EXIT_OK
+
+
+def _fix_column(fixable: bool, safety: frozenset[str]) -> str:
+    if not fixable:
+        return ""
+    if safety == {"unsafe"}:
+        return "unsafe"
+    return "both" if safety == {"safe", "unsafe"} else "safe"
 
 
 def run_explain(args: argparse.Namespace) -> int:

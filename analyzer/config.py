@@ -72,13 +72,21 @@ class Config:
             updated = replace(updated, severity={**updated.severity, **severity})
         return updated
 
-    def selected(self, known: Iterable[str]) -> tuple[str, ...]:
-        """The rule ids enabled by select/ignore, validated against `known`."""
+    def selected(self, known: Iterable[str], opt_in: Iterable[str] = ()) -> tuple[str, ...]:
+        """The rule ids enabled by select/ignore, validated against `known`. Opt-in rules (`opt_in`) are
+        enabled only by a `select` code that names them (their id or a prefix of it), never by the default
+        selection or `ALL`."""
         known = tuple(sorted(known))
+        opt_in = frozenset(opt_in)
         select = self.select if self.select is not None else ("ALL",)
         check_codes(select, known, "select")
         check_codes(self.ignore, known, "ignore")
-        return tuple(rid for rid in known if _matches(rid, select) and not _matches(rid, self.ignore))
+        named = tuple(code for code in select if code != "ALL")
+        return tuple(
+            rid
+            for rid in known
+            if _matches(rid, named if rid in opt_in else select) and not _matches(rid, self.ignore)
+        )
 
 
 def _matches(rule_id: str, codes: Iterable[str]) -> bool:

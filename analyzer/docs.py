@@ -10,7 +10,9 @@ without the generated-file marker).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,8 +31,10 @@ def render_markdown(rule: RuleMeta) -> str:
     """A rule's documentation as Markdown (what `maingrad explain --format markdown` prints)."""
     if rule.id == NOT_ANALYZED.id:  # not a rule: no fix, no suppression comment
         return f"# {rule.id}: {rule.name}\n\n{rule.summary}\n\n{rule.docs.strip()}\n"
-    fix = "yes (`maingrad fix`)" if rule.fixable else "no"
+    fix = fix_label(rule)
     body = rule.docs.strip()
+    if rule.fixable and "## Fix safety" not in body:  # ruff's section, from the measured applicabilities
+        body += f"\n\n## Fix safety\n\n{_fix_safety_text(fix_safety(rule.id))}"
     return (
         f"# {rule.id}: {rule.name}\n\n"
         f"{rule.summary}\n\n"
@@ -38,6 +42,62 @@ def render_markdown(rule: RuleMeta) -> str:
         f"| Suppress | `# maingrad: ignore[{rule.id}]` |\n\n"
         f"{body}\n"
     )
+
+
+@functools.cache
+def fix_safety(rule_id: str) -> frozenset[str]:
+    """The applicabilities ("safe", "unsafe") of the fixes the rule offers on its own INVALID examples: what
+    its fixes are, measured rather than declared (a rule's fixes are safe or unsafe case by case, see its
+    "Fix safety" section). Empty for a rule without a fix."""
+    from maingrad.analyzer.context import RuleSettings
+    from maingrad.analyzer.engine import analyze_source
+    from maingrad.analyzer.rules import all_rules
+
+    rule = next((r for r in all_rules() if r.id == rule_id), None)
+    if rule is None or not rule.fixable:
+        return frozenset()
+    found: set[str] = set()
+    for example in rule.INVALID:
+        helpers = example.config.get("exposure-helpers", ())
+        names = frozenset(str(h) for h in helpers) if isinstance(helpers, (list, tuple)) else frozenset[str]()
+        settings = RuleSettings(exposure_helpers=names)
+        result = analyze_source(textwrap.dedent(example.code), "example.py", [rule()], settings)
+        found.update(
+            f.fix_applicability for f in result.findings if f.rule == rule_id and f.fix_applicability
+        )
+    return frozenset(found)
+
+
+def fix_label(rule: RuleMeta) -> str:
+    """The "Fix" row of a rule's page and of `maingrad explain`: whether `maingrad fix` applies its fixes,
+    or only `maingrad fix --unsafe-fixes` ("unsafe")."""
+    if not rule.fixable:
+        return "no"
+    safety = fix_safety(rule.id)
+    if safety == {"unsafe"}:
+        return "unsafe (only `maingrad fix --unsafe-fixes` applies it)"
+    if safety == {"safe", "unsafe"}:
+        return "safe in some cases (`maingrad fix`), unsafe in others (`--unsafe-fixes`): see Fix safety"
+    if not safety:  # its examples never produce a fix: nothing measured
+        return "yes (not measured on its examples)"
+    return "safe (`maingrad fix`)"
+
+
+def _fix_safety_text(safety: frozenset[str]) -> str:
+    if safety == {"unsafe"}:
+        return (
+            "The fix is unsafe: it can change what the code does (see above), so only `maingrad fix "
+            "--unsafe-fixes` applies it; `maingrad check` counts it as a hidden fix."
+        )
+    if safety == {"safe", "unsafe"}:
+        return (
+            "Some fixes are safe and `maingrad fix` applies them; others are unsafe, case by case as described "
+            "above, and only `maingrad fix --unsafe-fixes` applies those. `maingrad check` marks a finding `[*]` "
+            "when `maingrad fix` would fix it."
+        )
+    if not safety:
+        return "None of this rule's examples produces a fix, so its safety is not measured here."
+    return "The fix is safe: `maingrad fix` applies it (on every INVALID example of this rule)."
 
 
 def documented_rules() -> tuple[RuleMeta, ...]:
@@ -82,7 +142,7 @@ def write_pages(directory: Path) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python3 -m maingrad.analyzer.docs", description=__doc__.splitlines()[0]
+        prog="python3 -m maingrad.analyzer.docs", description=(__doc__ or "").splitlines()[0]
     )
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", metavar="DIR", type=Path, help="write the pages into DIR")

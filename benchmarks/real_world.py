@@ -1,7 +1,8 @@
 """Every finding of every rule on the real code bases of `docs/real-world.md`, as JSON.
 
     python3 benchmarks/real_world.py [--out real-world.json] [--no-gate] [--bed NAME ...]
-                                     [--tree NAME=PATH ...] [--jobs N]
+                                     [--tree NAME=PATH ...] [--corpus DIR [--split tuning|held-out]]
+                                     [--jobs N]
 
 Scans each pinned test bed of `tests/testbeds.py` (downloaded on first use) and each `--tree` (a checkout,
 e.g. a public upstream main), file by file with every built-in rule, and writes
@@ -9,6 +10,11 @@ e.g. a public upstream main), file by file with every built-in rule, and writes
 `docs/real-world.md` is made from this output (the verdicts are a reader's judgement, written by hand); two
 runs, one with `--no-gate`, must write identical files (the syntax gate is sound). Files that libcst cannot
 parse are listed under `"parse_errors"`.
+
+`--corpus DIR` scans the code bases of `benchmarks/real_world_corpus.json` (the second table: forks, ports
+and users of Megatron/TE), each read from `DIR/<owner>+<name>`, a tree of the repository's `*.py` files at
+the listed commit (e.g. `git archive <commit> -- '*.py' | tar -x -C DIR/<owner>+<name>`); they are public
+upstream repositories, never fetched here or in CI. `--split` keeps only the tuning or the held-out part.
 """
 
 from __future__ import annotations
@@ -23,6 +29,22 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "benchmarks" / "real_world_corpus.json"
+
+
+def corpus_trees(root: Path, split: str | None) -> dict[str, Path]:
+    """`{owner/name: DIR/owner+name}` for the corpus entries of `split` (all when None); a clear error for
+    a missing tree."""
+    entries = json.loads(CORPUS.read_text(encoding="utf-8"))["corpus"]
+    trees: dict[str, Path] = {}
+    for entry in entries:
+        if split is not None and entry["held_out"] != (split == "held-out"):
+            continue
+        path = root / entry["repo"].replace("/", "+")
+        if not path.is_dir():
+            raise SystemExit(f"--corpus: no tree for {entry['repo']} at {path} (commit {entry['commit']})")
+        trees[entry["repo"]] = path
+    return trees
 
 
 def _testbeds() -> Any:
@@ -69,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gate", action="store_true", help="turn the syntax gate off")
     parser.add_argument("--bed", action="append", default=[], help="a test bed name (default: all)")
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a checkout to scan too")
+    parser.add_argument("--corpus", type=Path, help="DIR holding the trees of real_world_corpus.json")
+    parser.add_argument("--split", choices=("tuning", "held-out"), help="only this part of --corpus")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args(argv)
     beds = _testbeds()
-    names = args.bed or ([] if args.tree else list(beds.REAL_WORLD))
+    names = args.bed or ([] if args.tree or args.corpus else list(beds.REAL_WORLD))
     unknown = [n for n in names if n not in beds.TESTBEDS]
     if unknown:
         parser.error(f"unknown test bed(s): {', '.join(unknown)}; known: {', '.join(beds.TESTBEDS)}")
@@ -82,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not Path(path).is_dir():
             parser.error(f"--tree wants NAME=PATH of a directory, got {item!r}")
         roots[name] = Path(path)
+    if args.corpus is not None:
+        roots.update(corpus_trees(args.corpus, args.split))
     report: dict[str, Any] = {}
     for name, root in roots.items():
         report[name] = scan_tree(root, gate=not args.no_gate, jobs=args.jobs)

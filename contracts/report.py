@@ -25,7 +25,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 REPORT_VERSION = 1
 TOOL_NAME = "maingrad"
@@ -47,7 +47,7 @@ class NotAnalyzed(str, Enum):
 
 
 class Severity(str, Enum):
-    """Ordered from least to most severe; SARIF levels map note/warning/error."""
+    """Ordered from least to most severe; the SARIF level of each is `maingrad.contracts.sarif.LEVELS`'s."""
 
     INFO = "info"
     WARNING = "warning"
@@ -57,12 +57,12 @@ class Severity(str, Enum):
     def rank(self) -> int:
         return _SEVERITY_RANK[self]
 
-    @property
-    def sarif_level(self) -> str:
-        return {"info": "note", "warning": "warning", "error": "error"}[self.value]
-
 
 _SEVERITY_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
+
+# The lowest severity that fails: the default of `maingrad check --fail-on` and of the service gate
+# (MAINGRAD_GATE_FAIL_SEVERITY), so a report the gate passes does not fail `check`, and the reverse.
+DEFAULT_FAIL_ON = Severity.ERROR
 
 
 @dataclass(frozen=True)
@@ -206,9 +206,9 @@ class Report:
     root: str = "."
     files_scanned: int = 0
     files_parsed: int = 0
-    parse_errors: list[ParseError] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
-    rules: list[RuleInfo] = field(default_factory=list)
+    parse_errors: list[ParseError] = field(default_factory=list[ParseError])
+    findings: list[Finding] = field(default_factory=list[Finding])
+    rules: list[RuleInfo] = field(default_factory=list[RuleInfo])
     duration_s: float = 0.0
 
     @property
@@ -235,13 +235,14 @@ class Report:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
         """Parse a version-1 report; raises ValueError/KeyError/TypeError on malformed input."""
-        if not isinstance(data, dict):
+        if not isinstance(cast(object, data), dict):
             raise ValueError("report must be a JSON object")
         version = data.get("version")
         if version != REPORT_VERSION:
             raise ValueError(f"unsupported report version {version!r} (expected {REPORT_VERSION})")
-        tool = data.get("tool") or {}
-        if not isinstance(tool, dict) or tool.get("name") != TOOL_NAME:
+        found: Any = data.get("tool") or {}
+        tool: dict[str, Any] = cast("dict[str, Any]", found) if isinstance(found, dict) else {}
+        if tool.get("name") != TOOL_NAME:
             raise ValueError("report.tool.name must be 'maingrad'")
         return cls(
             tool_version=str(tool.get("version", "")),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import chain, repeat
 from typing import Any, NamedTuple
 
-from maingrad.contracts.records import ACTIONS, PHASES, SCHEMA_VERSION, WHOLE_CALL
+from maingrad.contracts.records import ACTIONS, PHASES, SCHEMA_VERSION, WHOLE_CALL, new_record, record_id
 
 # Phase / action codes stored in rows (indexes into PHASES / ACTIONS).
 FORWARD, BACKWARD = 0, 1
@@ -324,40 +324,40 @@ def _opt_bool(value: Any) -> bool | None:
 
 
 def to_dict(row: Row, meta: RunMeta, modules: Sequence[str], params: Sequence[Sequence[str]]) -> dict:
-    """One schema record (an ordered dict with exactly FIELDS) from a hook row."""
-    site, slot = row.site, row.slot
+    """One schema record from a hook row, through the contract's `new_record` (the reference `to_dicts`, the
+    hand-written hot path, is tested against)."""
     shape, dtype, device = row.shape, row.dtype, row.device
-    return {
-        "schema": SCHEMA_VERSION,
-        "id": f"{meta.run}:{meta.rank}:{row.seq}",
-        "run": meta.run,
-        "rank": meta.rank,
-        "step": row.step,
-        "microbatch": row.mb,
-        "phase": PHASES[row.phase],
-        "module": modules[site],
-        "param": WHOLE_CALL if slot < 0 else params[site][slot],
-        "has_main_grad": bool(row.has),
-        "main_grad_is_none": _opt_bool(row.is_none),
-        "dtype": None if dtype is None else str(dtype),
-        "shape": None if shape is None else [int(d) for d in shape],
-        "device": None if device is None else str(device),
-        "data_ptr": row.data_ptr,
-        "overwrite_main_grad": _opt_bool(row.ow),
-        "grad_added_to_main_grad": _opt_bool(row.gam),
-        "is_fsdp_param": bool(row.fsdp),
-        "action": ACTIONS[row.action],
-        "anomaly": row.anomaly,
-        "mode": meta.mode,
-        "commit": meta.commit,
-        "t_ns": row.t,
-    }
+    return new_record(
+        id=record_id(meta.run, meta.rank, row.seq),
+        run=meta.run,
+        rank=meta.rank,
+        step=row.step,
+        microbatch=row.mb,
+        phase=PHASES[row.phase],
+        module=modules[row.site],
+        param=WHOLE_CALL if row.slot < 0 else params[row.site][row.slot],
+        has_main_grad=bool(row.has),
+        main_grad_is_none=_opt_bool(row.is_none),
+        dtype=None if dtype is None else str(dtype),
+        shape=None if shape is None else [int(d) for d in shape],
+        device=None if device is None else str(device),
+        data_ptr=row.data_ptr,
+        overwrite_main_grad=_opt_bool(row.ow),
+        grad_added_to_main_grad=_opt_bool(row.gam),
+        is_fsdp_param=bool(row.fsdp),
+        action=ACTIONS[row.action],
+        anomaly=row.anomaly,
+        mode=meta.mode,
+        commit=meta.commit,
+        t_ns=row.t,
+    )
 
 
 def to_dicts(
     rows: Iterable[Row], meta: RunMeta, modules: Sequence[str], params: Sequence[Sequence[str]]
 ) -> list[dict]:
-    """`to_dict` of every row, the same dicts, faster: each distinct dtype, shape and device object is
+    """`to_dict` of every row, the same dicts, faster (the hot path, written out by hand; tests compare it with
+    `to_dict`, i.e. with the contract's `new_record`): each distinct dtype, shape and device object is
     formatted once per call (rows of one buffer share those objects: see instrument.py's buffer metadata)."""
     run, rank, mode, commit = meta.run, meta.rank, meta.mode, meta.commit
     prefix = f"{run}:{rank}:"

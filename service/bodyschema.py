@@ -269,32 +269,18 @@ def sarif_schema(limits: BodyLimits) -> dict[str, Any]:
 
 
 def record_schema(limits: BodyLimits) -> dict[str, Any]:
-    """One NDJSON line. Fields beyond these are kept verbatim in the stored raw line."""
-    text = _str(limits.max_record_string_chars)
-    return {
-        "title": "runtime record",
-        "description": "One record of `maingrad.hooks` (schema "
-        f"{record_contract.SCHEMA_VERSION}); see docs/hooks.md. Fields not listed are stored as received.",
-        "type": "object",
-        "required": ["id", "rank", "step", "phase"],
-        "properties": {
-            "schema": {"type": "integer", "const": record_contract.SCHEMA_VERSION},
-            "id": _str(255, 1),
-            "run": _str(255, 1),
-            "rank": _int(0),
-            "step": _int(-STEP_BOUND, STEP_BOUND),
-            "microbatch": _nullable(_int(-INT32_MAX)),
-            "phase": {"type": "string", "enum": list(record_contract.PHASES)},
-            "action": {"type": "string", "enum": list(record_contract.ACTIONS)},
-            "module": text,
-            "param": text,
-            "has_main_grad": {"type": ["boolean", "null"]},
-            "main_grad_is_none": {"type": ["boolean", "null"]},
-            "anomaly": _nullable(_str(255)),
-            "commit": {"type": ["string", "null"], "pattern": COMMIT_PATTERN},
-            "t_ns": _nullable(_int(INT64_MIN, INT64_MAX)),
-        },
-    }
+    """One NDJSON line: the record contract's schema (`contracts.records.json_schema`) bounded by what the
+    database columns and the configured limits hold. Fields beyond these are kept verbatim in the raw line."""
+    return record_contract.json_schema(
+        record_contract.RecordBounds(
+            max_string_chars=limits.max_record_string_chars,
+            int32_max=INT32_MAX,
+            step_bound=STEP_BOUND,
+            int64_min=INT64_MIN,
+            int64_max=INT64_MAX,
+            commit_pattern=COMMIT_PATTERN,
+        )
+    )
 
 
 def records_body_schema(limits: BodyLimits) -> dict[str, Any]:

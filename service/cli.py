@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from maingrad.contracts.extras import install_hint
 from maingrad.service.identifiers import COMMIT_RE
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
@@ -165,6 +166,9 @@ def _one_line_errors(handler: Any) -> Any:
 
 def describe_error(exc: BaseException) -> str:
     """One line for the errors users cause (settings, database URLs, files), and a terse one otherwise."""
+    hint = install_hint(exc)
+    if hint is not None:  # a light install without the service extra
+        return hint
     name = type(exc).__name__
     module = type(exc).__module__
     if name == "ValidationError" and module.startswith("pydantic"):

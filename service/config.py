@@ -10,6 +10,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from maingrad.contracts.report import DEFAULT_FAIL_ON
+
 MiB = 1024 * 1024
 
 
@@ -48,7 +50,7 @@ class Settings(BaseSettings):
     # Gate answers kept per process, reused only while their inputs are unchanged (0: never reuse).
     gate_cache_size: int = Field(512, ge=0)
 
-    gate_fail_severity: str = Field("error", pattern="^(info|warning|error)$")
+    gate_fail_severity: str = Field(DEFAULT_FAIL_ON.value, pattern="^(info|warning|error)$")
     gate_fail_on_runtime_anomalies: bool = True
     # Lines within which a finding with the same rule, path and message counts as the same finding.
     match_line_window: int = Field(3, ge=0)

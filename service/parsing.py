@@ -13,16 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from maingrad.contracts.report import REPORT_VERSION, Report, Severity, normalize_context
+from maingrad.contracts import sarif as sarif_contract
+from maingrad.contracts.report import REPORT_VERSION, Report, normalize_context
 from maingrad.service import fastjson
 from maingrad.service.bodyschema import BodyLimits, maingrad_report_schema, sarif_schema
 from maingrad.service.jsonvalidate import BodyInvalid, validate
 from maingrad.service.problems import ProblemError
 
-LEVEL_RANK = {"none": 0, "note": 0, "warning": 1, "error": 2}
-SEVERITY_LEVEL = {Severity.INFO: "note", Severity.WARNING: "warning", Severity.ERROR: "error"}
-SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
-MAINGRAD_FP_KEY = "maingrad/v1"
+# Levels, the schema and the analyzer's fingerprint key are the contract's (maingrad.contracts.sarif).
+LEVEL_RANK = sarif_contract.LEVEL_RANK
+SARIF_SCHEMA = sarif_contract.SARIF_SCHEMA
+MAINGRAD_FP_KEY = sarif_contract.FINGERPRINT_KEY
 
 
 @dataclass
@@ -284,16 +285,7 @@ def parse_maingrad(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
             f"{len(report.findings)} findings exceed {limits.max_results_per_run} per run",
             limit=limits.max_results_per_run,
         )
-    rules = [
-        {
-            "id": r.id,
-            "name": r.name,
-            "shortDescription": {"text": r.summary or r.name},
-            "defaultConfiguration": {"level": SEVERITY_LEVEL[r.severity]},
-            **({"helpUri": r.help_uri} if r.help_uri else {}),
-        }
-        for r in report.rules
-    ]
+    rules = [sarif_contract.rule_descriptor(r) for r in report.rules]
     successful = not any(e.internal for e in report.parse_errors)  # as maingrad's own SARIF says
     notifications = [
         {
@@ -308,7 +300,6 @@ def parse_maingrad(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
             "driver": {
                 "name": "maingrad",
                 "version": report.tool_version,
-                "informationUri": "https://github.com/maingrad/maingrad",
                 "rules": rules,
             }
         },
@@ -320,29 +311,8 @@ def parse_maingrad(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
         raise _text_budget(limits)
     for f in report.findings:
         path = normalize_path(f.path)
-        level = SEVERITY_LEVEL[f.severity]
-        region: dict[str, Any] = {
-            "startLine": f.line,
-            "startColumn": f.column,
-            "endLine": f.end_line,
-            "endColumn": f.end_column,
-        }
-        if f.snippet:
-            region["snippet"] = {"text": f.snippet}
-        result = {
-            "ruleId": f.rule,
-            "level": level,
-            "message": {"text": f.message},
-            "locations": [
-                {
-                    "physicalLocation": {
-                        "artifactLocation": {"uri": path, "uriBaseId": "%SRCROOT%"},
-                        "region": region,
-                    }
-                }
-            ],
-            "partialFingerprints": {MAINGRAD_FP_KEY: f.fingerprint},
-        }
+        result = sarif_contract.result(f, path=path)
+        level = result["level"]
         findings.append(
             NormFinding(
                 rule=f.rule,
@@ -581,11 +551,14 @@ def _pairs(value: Any) -> list[tuple[str, str]]:
 
 def _material(result: dict[str, Any], ctx: str | None, message: str) -> str:
     """Identity beyond (category, rule, path): the tool's fingerprints when it has them, else the code."""
-    partial = _pairs(result.get("partialFingerprints"))
-    ours = dict(partial).get(MAINGRAD_FP_KEY)
+    given = result.get("partialFingerprints")
+    # The analyzer's key (or, for one release, its legacy spelling): the same material as the analyzer's JSON,
+    # so JSON and SARIF uploads of the same findings match.
+    ours = sarif_contract.maingrad_fingerprint(given if isinstance(given, dict) else None)
     if ours:
-        return f"{MAINGRAD_FP_KEY}:{ours}"  # same material as the analyzer's JSON: JSON and SARIF agree
-    partial = [(k, v) for k, v in partial if k != "maingrad/alert"]  # our own output key, not the tool's
+        return f"{MAINGRAD_FP_KEY}:{ours}"
+    legacy = sarif_contract.LEGACY_FINGERPRINT_KEYS
+    partial = [(k, v) for k, v in _pairs(given) if k != "maingrad/alert" and k not in legacy]
     full = _pairs(result.get("fingerprints"))
     if full:
         return "fp:" + "|".join(f"{k}={v}" for k, v in full)

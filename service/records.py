@@ -15,6 +15,7 @@ from sqlalchemy import Table, bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from maingrad.contracts import records as contract
+from maingrad.contracts.anomalies import ANOMALIES
 from maingrad.service import fastjson
 from maingrad.service.bodyschema import INT32_MAX, INT64_MAX, INT64_MIN, STEP_BOUND
 from maingrad.service.db import Database
@@ -355,13 +356,24 @@ def timeline(session: Session, run: Run) -> list[dict[str, Any]]:
 
 
 def aggregates(session: Session, run: Run, column: Any) -> list[dict[str, Any]]:
+    """Counts per `column` value (module or rank). `params` counts distinct parameters, i.e. distinct
+    (module, param) pairs: per rank, every module's `weight` is a parameter of its own. Records about a
+    whole call (param "*") name no parameter."""
     rows = session.execute(
-        select(column.label("key"), func.count(func.distinct(Record.param)).label("params"), *_counts())
+        select(column.label("key"), *_counts())
         .where(Record.run_id == run.id)
         .group_by(column)
         .order_by(column)
     ).all()
-    return [{"key": str(r.key), "params": int(r.params), **_num(r)} for r in rows]
+    pairs = (
+        select(column.label("key"), Record.module, Record.param)
+        .where(Record.run_id == run.id, Record.param != contract.WHOLE_CALL)
+        .distinct()
+        .subquery()
+    )
+    counted = session.execute(select(pairs.c.key, func.count().label("n")).group_by(pairs.c.key)).all()
+    params: dict[Any, int] = {row.key: int(row.n) for row in counted}
+    return [{"key": str(r.key), "params": int(params.get(r.key, 0)), **_num(r)} for r in rows]
 
 
 def anomalies(session: Session, run: Run, limit: int = 100) -> list[dict[str, Any]]:
@@ -380,9 +392,38 @@ def anomalies(session: Session, run: Run, limit: int = 100) -> list[dict[str, An
             "module": r.module,
             "param": r.param,
             "anomaly": r.anomaly or "",
+            "summary": _meaning(r.anomaly or "")[0],
         }
         for r in rows
     ]
+
+
+def _meaning(code: str) -> tuple[str, str, bool]:
+    """(summary, remedy, fatal) of an anomaly code from the contract's table; for the service's own
+    `action:<action>` codes (an anomalous action with no code) a description of the action."""
+    known = ANOMALIES.get(code)
+    if known is not None:
+        return known.summary, known.remedy, known.fatal
+    if code.startswith("action:"):
+        return f"the hook's action was {code.split(':', 1)[1]!r} with no anomaly code", "", False
+    return "not an anomaly code of this maingrad version", "", False
+
+
+def anomaly_summary(session: Session, run: Run) -> list[dict[str, Any]]:
+    """One row per anomaly code recorded in the run: how many records carry it, what it means (summary),
+    whether it is fatal and its generic fix, read from `maingrad.contracts.anomalies`. Fatal codes first."""
+    rows = session.execute(
+        select(Record.anomaly, func.count())
+        .where(Record.run_id == run.id, Record.anomaly.is_not(None))
+        .group_by(Record.anomaly)
+    )
+    found = [(_meaning(str(code))[2], int(count), str(code)) for code, count in rows]
+    found.sort(key=lambda a: (not a[0], -a[1], a[2]))
+    out: list[dict[str, Any]] = []
+    for fatal, count, code in found:
+        summary, remedy, _ = _meaning(code)
+        out.append({"code": code, "count": count, "summary": summary, "remedy": remedy, "fatal": fatal})
+    return out
 
 
 def step_count(session: Session, run: Run) -> int:

@@ -9,8 +9,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from maingrad.contracts.sarif import SARIF_SCHEMA, SARIF_VERSION
 from maingrad.service.models import Analysis, Finding
-from maingrad.service.parsing import SARIF_SCHEMA
 
 FINGERPRINT_KEY = "maingrad/alert"
 
@@ -32,7 +32,7 @@ def _result(sarif: dict[str, Any], fingerprint: str) -> dict[str, Any]:
 
 
 def log(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": runs}
+    return {"$schema": SARIF_SCHEMA, "version": SARIF_VERSION, "runs": runs}
 
 
 def analysis_sarif(session: Session, analysis: Analysis) -> dict[str, Any]:

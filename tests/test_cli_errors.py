@@ -90,11 +90,68 @@ def test_rules_and_usage_errors_are_argparse_errors(repo: Path) -> None:
     assert rules.returncode == 0 and "MG999" in {r["id"] for r in json.loads(rules.stdout)}
 
 
+def _commands() -> list[tuple[str, ...]]:
+    """Every command and subcommand of `maingrad`, as argv prefixes."""
+    import argparse
+
+    from maingrad.cli.main import build_parser
+
+    def walk(parser: argparse.ArgumentParser, prefix: tuple[str, ...]) -> list[tuple[str, ...]]:
+        out = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    out.append((*prefix, name))
+                    out.extend(walk(sub, (*prefix, name)))
+        return out
+
+    return walk(build_parser(), ())
+
+
 def test_exit_codes_are_documented_in_help(repo: Path) -> None:
+    commands = _commands()
+    assert {("check",), ("fix",), ("gate",), ("upload",), ("serve",), ("token", "create"), ("hooks", "summary"), ("preflight",)} <= set(commands)  # fmt: skip
+    for command in commands:
+        text = _maingrad(*command, "--help", cwd=repo).stdout
+        assert "exit codes:" in text, command
+        assert "\n  0  " in text and "\n  2  " in text, (command, text)
     for command in ("check", "fix"):
         text = _maingrad(command, "--help", cwd=repo).stdout
-        assert "exit codes:" in text
         for code in ("0  ", "1  ", "2  "):
             assert f"\n  {code}" in text, text
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "exit codes" in readme.lower() and "MG999" in readme
+
+
+def test_the_extras_table_matches_pyproject() -> None:
+    """contracts/extras.py names, for each import of an optional dependency, the extra pyproject installs it with."""
+    import re
+
+    from maingrad.contracts.extras import EXTRA_OF_MODULE
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    # distribution name -> import name, where they differ
+    imports = {"pydantic-settings": "pydantic_settings", "python-multipart": "multipart", "transformer-engine": "transformer_engine", "megatron-core": "megatron"}  # fmt: skip
+    for extra in ("service", "runtime", "megatron"):
+        for requirement in pyproject["project"]["optional-dependencies"][extra]:
+            name = re.split(r"[\[<>=!; ]", requirement, maxsplit=1)[0]
+            assert EXTRA_OF_MODULE[imports.get(name, name)] == extra, requirement
+
+
+def test_a_missing_extra_names_the_install_in_one_line(repo: Path) -> None:
+    """A light install (here: the service's web server made unimportable) ends in one line naming the extra."""
+    code = (
+        "import sys; sys.modules['uvicorn'] = None; sys.modules['fastapi'] = None\n"
+        "from maingrad.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "serve", "--database-url", f"sqlite:///{repo}/db.sqlite"],
+        cwd=repo, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert 'pip install "maingrad[service]"' in done.stderr and "Traceback" not in done.stderr

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from maingrad.analyzer.catalog import RuleMeta
+from maingrad.contracts.report import Severity
 
 
 @dataclass(frozen=True)
@@ -14,7 +15,7 @@ class OutputOptions:
     root: Path  # the scan root (report paths are relative to it)
     cwd: Path = field(default_factory=Path.cwd)
     color: bool = False
-    show_source: bool = False
+    show_source: bool = False  # the code frame, the rest of a long message and the `explain` pointer
     statistics: bool = False
     quiet: bool = False
     rules: tuple[RuleMeta, ...] = ()  # metadata (docs) of the reported rules, for SARIF help text
@@ -22,6 +23,7 @@ class OutputOptions:
         frozenset()
     )  # fingerprints whose fix `maingrad fix` applies (with the given flags)
     hidden_fixes: int = 0  # findings with an unsafe fix that only `--unsafe-fixes` applies
+    fail_on: Severity | None = None  # check's --fail-on (None: not a check run, or --exit-zero)
 
     _display: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 

@@ -1,10 +1,14 @@
-"""Human output in ruff's shape: `path:line:col: MG001 [*] message` (`[*]`: `maingrad fix` fixes it),
-paths that could not be analyzed as `path:line:col: MG999 reason` in the same stream, optional source
-context with a caret, per-rule statistics, and a summary that counts findings, unanalyzed paths, safe
-fixes and hidden (unsafe) fixes apart. Colour only when asked (on a terminal)."""
+"""Human output in ruff's shape: `path:line:col: MG001 error [*] message` (the severity; `[*]`: `maingrad fix`
+fixes it), then a code frame with a caret, the rest of a long message, and `= help: see `maingrad explain
+MG001``; `--concise` keeps the first line only. Paths that could not be analyzed appear as
+`path:line:col: MG999 reason` in the same stream; per-rule statistics; a summary that counts findings (by
+severity), unanalyzed paths, safe fixes and hidden (unsafe) fixes apart. Colour only when asked (on a
+terminal)."""
 
 from __future__ import annotations
 
+import re
+import textwrap
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +17,25 @@ from maingrad.analyzer.reporters.base import OutputOptions
 from maingrad.contracts.report import NOT_ANALYZED_CODE, Finding, NotAnalyzed, ParseError, Report
 
 _RESET, _BOLD, _RED, _CYAN, _BLUE, _DIM = "\033[0m", "\033[1m", "\033[31m", "\033[36m", "\033[34m", "\033[2m"
+_YELLOW = "\033[33m"
+_SEVERITY_STYLE = {"error": (_RED, _BOLD), "warning": (_YELLOW, _BOLD), "info": (_BLUE,)}
+
+# Where a long message splits into its headline and the rest: a sentence or clause end outside `code`.
+_BOUNDARY = re.compile(r"`[^`]*`|(\. |; |: |, which |, so | \()")
+SHORT_MESSAGE = 40  # no split before this many characters: the headline must say something
+
+
+def split_message(message: str) -> tuple[str, str]:
+    """(headline, detail): the message up to its first clause boundary outside backquotes (at or after
+    SHORT_MESSAGE characters), and the rest. Nothing is lost: headline + detail is the whole message."""
+    for match in _BOUNDARY.finditer(message):
+        if match.group(1) is None or match.start() < SHORT_MESSAGE:
+            continue
+        head = message[: match.start()].rstrip()
+        rest = message[match.start() :].lstrip(".;:, ").strip()
+        if rest:
+            return head, rest
+    return message, ""
 
 
 class _Style:
@@ -71,6 +94,15 @@ def error_line(error: ParseError, options: OutputOptions, style: _Style | None =
     return f"{where}{style(':', _CYAN)} {style(error.code, _RED, _BOLD)} {error.message}"
 
 
+def _by_severity(report: Report) -> str:
+    """` (1 error, 2 warnings)`: the findings counted by severity, most severe first."""
+    counts = Counter(f.severity for f in report.findings)
+    if not counts:
+        return ""
+    parts = [_plural(counts[s], s.value) for s in sorted(counts, key=lambda s: -s.rank)]
+    return f" ({', '.join(parts)})"
+
+
 def summary_lines(report: Report, options: OutputOptions) -> list[str]:
     """The closing lines: findings and not-analyzed paths counted apart, then safe and hidden fixes."""
     count = len(report.findings)
@@ -88,11 +120,17 @@ def summary_lines(report: Report, options: OutputOptions) -> list[str]:
             if part
         )
         verb = "was" if files + directories == 1 else "were"
-        out.append(f"Found {_plural(count, 'finding')} in {scanned}; {what} {verb} not analyzed (MG999).")
+        out.append(
+            f"Found {_plural(count, 'finding')}{_by_severity(report)} in {scanned}; {what} {verb} not analyzed (MG999)."
+        )
     elif count:
-        out.append(f"Found {_plural(count, 'finding')} in {scanned}.")
+        out.append(f"Found {_plural(count, 'finding')}{_by_severity(report)} in {scanned}.")
     else:
         out.append(f"All checks passed! ({scanned} scanned)")
+    if count and options.fail_on is not None and not report.parse_errors:
+        failing = sum(1 for f in report.findings if f.severity.rank >= options.fail_on.rank)
+        if not failing:
+            out.append(f"None at or above --fail-on {options.fail_on.value}: exit status 0.")
     fixable = sum(1 for f in report.findings if f.fingerprint in options.fixable)
     hidden = options.hidden_fixes
     hint = f" ({_plural(hidden, 'hidden fix', 'hidden fixes')} can be enabled with `--unsafe-fixes`)"
@@ -136,11 +174,21 @@ def iter_text(report: Report, options: OutputOptions) -> Iterator[str]:
                 next_error += 1
             mark = "[*] " if f.fingerprint in options.fixable else ""
             where = f"{style(options.display_path(f.path), _BOLD)}{style(':', _CYAN)}{f.line}{style(':', _CYAN)}{f.column}"
-            yield f"{where}{style(':', _CYAN)} {style(f.rule, _RED, _BOLD)} {mark}{f.message}\n"
-            if options.show_source:
-                lines = _source_lines(options, f.path, sources)
-                if lines and f.line <= len(lines):
-                    yield "".join(line + "\n" for line in _context(f, lines, style)) + "\n"
+            severity = style(f.severity.value, *_SEVERITY_STYLE[f.severity.value])
+            if not options.show_source:
+                yield f"{where}{style(':', _CYAN)} {style(f.rule, _RED, _BOLD)} {severity} {mark}{f.message}\n"
+                continue
+            head, detail = split_message(f.message)
+            yield f"{where}{style(':', _CYAN)} {style(f.rule, _RED, _BOLD)} {severity} {mark}{head}\n"
+            if f.path not in sources:  # findings come in path order: hold one file's lines at a time
+                sources.clear()
+            lines = _source_lines(options, f.path, sources)
+            frame = _context(f, lines, style) if lines and f.line <= len(lines) else []
+            yield "".join(line + "\n" for line in frame)
+            pad = " " * (len(str(min(len(lines or ()), f.line + 1))) + 1 if frame else 2)
+            for i, text in enumerate(textwrap.wrap(detail, 100) if detail else []):
+                yield f"{pad}{style('=', _BLUE) if i == 0 else ' '} {text}\n"
+            yield f"{pad}{style('=', _BLUE)} {style('help', _BOLD)}: see `maingrad explain {f.rule}`\n\n"
         for error in errors[next_error:]:
             yield error_line(error, options, style) + "\n"
     if not options.quiet:

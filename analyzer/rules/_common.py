@@ -20,6 +20,7 @@ parameters and `self.linear_fc1` matches itself wherever it is written.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -884,3 +885,33 @@ def _target_leaves(target: cst.CSTNode) -> list[cst.CSTNode]:
     if isinstance(target, cst.StarredElement):
         return _target_leaves(target.value)
     return [target] if isinstance(target, (cst.Name, cst.Attribute)) else []
+
+
+# What the file was written against -------------------------------------------------------------------
+# Code written before Megatron-FSDP and before the `grad_added_to_main_grad` flag (Megatron-LM forks of
+# 2021-2023, apex.transformer, metaseq, Megatron-DeepSpeed) fuses wgrads into a `main_grad` that its own
+# optimizer creates eagerly and whose grad hook adds `.grad` only when one is returned. Rules that judge a
+# write against the newer contract ask whether the file shows it knows that contract.
+_FSDP_EVIDENCE = re.compile(r"\bget_main_grad\b|__fsdp_param__|\bget_main_grad_from_param\b|megatron_fsdp")
+_FLAG_EVIDENCE = re.compile(
+    r"\bgrad_added_to_main_grad\b|\boverwrite_main_grad\b|\bget_dummy_wgrads?(_for_params)?\b|\bzero_out_wgrad\b"
+    r"|\bfuse_wgrad_accumulation\b|\baccumulate_into_main_grad\b"
+)
+
+
+def knows_fsdp_contract(source: str, helpers: frozenset[str] = frozenset()) -> bool:
+    """Does the file handle Megatron-FSDP parameters anywhere (`get_main_grad()`, `__fsdp_param__`, TE's
+    `get_main_grad_from_param`, a `megatron_fsdp` import, or a configured exposure helper)? Only such a file
+    can be held to exposing `main_grad` before every fused write: in one that never mentions Megatron-FSDP
+    the buffer is the one its data-parallel wrapper set at wrap time (or a property), not a lazy one."""
+    if _FSDP_EVIDENCE.search(source):
+        return True
+    return any(h.rsplit(".", 1)[-1] in source for h in helpers)
+
+
+def knows_flag_contract(source: str) -> bool:
+    """Does the file show it is written against Megatron's `grad_added_to_main_grad` contract: the flag, the
+    overwrite flag, dummy wgrads, Megatron-FSDP (which came after the flag), or Transformer Engine's names
+    for fused wgrad accumulation (`fuse_wgrad_accumulation`, `accumulate_into_main_grad`: TE's modules are
+    written for megatron-core's data-parallel hooks, which read the flag, and set it themselves)?"""
+    return bool(_FLAG_EVIDENCE.search(source)) or knows_fsdp_contract(source)

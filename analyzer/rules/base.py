@@ -65,6 +65,9 @@ class Rule:
     # string that must occur in the file, or a tuple of strings that must all occur.
     needles: ClassVar[tuple[Needle, ...]] = ("main_grad",)
     fixable: ClassVar[bool] = False
+    # In the default selection? An opt-in rule (False) runs only when `select` names it (id or prefix,
+    # not `ALL`): its precision on code it was not written for is below what a default rule must meet.
+    default: ClassVar[bool] = True
     VALID: ClassVar[list[Example]] = []
     INVALID: ClassVar[list[Example]] = []
 

@@ -199,6 +199,38 @@ def _reads_buffer_dtype(test: cst.BaseExpression) -> bool:
     return ("main_grad" in code and "dtype" in code) or any(t in code for t in _GUARD_TEXT)
 
 
+_PRECISION_FLAG = re.compile(r"16bit|fp16|bf16|fp32|half|float16|float32|bfloat16", re.IGNORECASE)
+_OTHER_KERNEL = {"fp32": "wgrad_gemm_accum_fp16", "fp16": "wgrad_gemm_accum_fp32"}
+_VARYING_PRECISION = re.compile(
+    r"main_grad\.dtype|grad_reduce_in_fp32|accumulate_allreduce_grads_in_fp32|main_grads_dtype"
+)
+
+
+def _dispatched(
+    ctx: FileContext, call: cst.CSTNode, buffer: cst.BaseExpression, func: cst.FunctionDef | None
+) -> bool:
+    """Is the kernel chosen by a test on the path that reads the buffer's dtype through its local name
+    (`grad = weight.main_grad; if grad.dtype == torch.float32:`) or by a flag that names a precision
+    (apex's `if not ctx.use_16bit_in_wgrad_accum_fusion:`)? Both are a dispatch, not an assumption."""
+    needle = f"{code_of(buffer)}.dtype"
+    for ancestor in ctx.ancestors(call):
+        if isinstance(ancestor, (cst.If, cst.IfExp, cst.While)):
+            code = code_of(ancestor.test)
+            if needle in code or _PRECISION_FLAG.search(code):
+                return True
+        if ancestor is func:
+            break
+    return False
+
+
+def _precision_varies(source: str, kind: str) -> bool:
+    """Does the file show that a main_grad can come in more than one precision (it also uses the other
+    kernel, reads a `main_grad.dtype`, or names Megatron's switches that make the buffer bf16)? Code that
+    uses one kernel and never mentions another precision (metaseq's fp32-only `fused_dense_cuda` path) is
+    written for the one buffer dtype its optimizer creates."""
+    return _OTHER_KERNEL[kind] in source or bool(_VARYING_PRECISION.search(source))
+
+
 def _kernel_contradiction(ctx: FileContext, call: cst.Call, kind: str) -> str | None:
     """The dtype named by the innermost enclosing `if <main_grad>.dtype == torch.X` whose body holds
     `call`, when it contradicts the kernel (fp32 kernel for a half buffer or the reverse)."""
@@ -289,6 +321,13 @@ parameters instead of from `main_grad.dtype`: a GEMM with `out=w.main_grad` and 
 `out_dtype`; `torch.matmul(..., out=w.main_grad)` (its `out` must have the inputs' dtype); Megatron's
 `wgrad_gemm_accum_fp32/fp16` kernels used without checking `w.main_grad.dtype`; `w.main_grad.add_(g.to(bf16))`.
 
+A kernel counts as checked when a test on its path reads the buffer's dtype (also through a local name:
+`grad = w.main_grad; if grad.dtype == torch.float32:`) or a flag that names a precision
+(`if not ctx.use_16bit_in_wgrad_accum_fusion:`). An unchecked kernel is reported only in a file that shows
+`main_grad` can have another precision (it also uses the other kernel, reads a `main_grad.dtype`, or names
+`grad_reduce_in_fp32`/`accumulate_allreduce_grads_in_fp32`): a file with one kernel and no other precision
+is written for the one buffer dtype its optimizer creates.
+
 ## Why is this bad?
 `main_grad` is usually fp32 while activations and parameters are bf16, but it can be bf16 (Megatron without
 `accumulate_allreduce_grads_in_fp32`) or be replaced by Megatron-FSDP's buffers. A mismatched output dtype
@@ -320,6 +359,8 @@ Fixes: `out_dtype` becomes `<out>.dtype` (safe); the kernel call is wrapped in t
 megatron-core 0.16.1, 0.18.2 and 0.19.2 `LinearWithGradAccumulationAndAsyncCommunication.backward`, Megatron-FSDP
 branch without TE: `torch.matmul(grad_output.t(), total_input, out=weight.main_grad)` with bf16 inputs and an
 fp32 buffer raises. Megatron-LM main replaced it (`_wgrad_gemm` computes in the inputs' dtype and copies).
+The same code in HYGON-AI/Megatron-LM-das and krafton-ai/Megatron-Dion (second table of
+`docs/real-world.md`, no false alarm on its 31 code bases).
 """
 
     VALID = [
@@ -383,6 +424,37 @@ fp32 buffer raises. Megatron-LM main replaced it (`_wgrad_gemm` computes in the 
                 general_gemm(x, dy, out=buf, out_dtype=torch.bfloat16)
             """
         ),
+        # Regression (alibaba/Megatron-LLaMA): the dispatch reads the dtype through a local alias.
+        Example(
+            """\
+            def backward(ctx, weight, total_input, grad_output):
+                grad = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
+                if grad.dtype == torch.float32:
+                    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, grad)
+                elif grad.dtype == torch.float16:
+                    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(total_input, grad_output, grad)
+            """
+        ),
+        # Regression (apex.transformer, ROCm/apex): the kernel is chosen by a flag that names the precision.
+        Example(
+            """\
+            def backward(ctx, weight, total_input, grad_output):
+                if not ctx.use_16bit_in_wgrad_accum_fusion:
+                    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
+                else:
+                    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(total_input, grad_output, weight.main_grad)
+            """
+        ),
+        # Regression (facebookresearch/metaseq): one kernel, one buffer precision in the whole file.
+        Example(
+            """\
+            def backward(ctx, weight, total_input, grad_output):
+                if ctx.gradient_accumulation_fusion:
+                    fused_dense_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
+                    grad_weight = None
+                return grad_output.matmul(weight), grad_weight
+            """
+        ),
     ]
     INVALID = [
         # A constant out_dtype for an out=main_grad GEMM (safe fix: take it from the buffer).
@@ -443,6 +515,9 @@ fp32 buffer raises. Megatron-LM main replaced it (`_wgrad_gemm` computes in the 
 
             def backward(weight, x, dy):
                 fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, dy, weight.main_grad)
+
+            def buffer_dtype(weight):
+                return weight.main_grad.dtype  # the file knows main_grad can be fp32 or bf16
             """,
             line=5,
             fixed="""\
@@ -456,6 +531,9 @@ fp32 buffer raises. Megatron-LM main replaced it (`_wgrad_gemm` computes in the 
                     fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(x, dy, weight.main_grad)
                 else:
                     raise RuntimeError("Unsupported gradient type for gradient accumulation fusion")
+
+            def buffer_dtype(weight):
+                return weight.main_grad.dtype  # the file knows main_grad can be fp32 or bf16
             """,
         ),
         # A dtype test that contradicts the kernel.
@@ -642,8 +720,10 @@ fp32 buffer raises. Megatron-LM main replaced it (`_wgrad_gemm` computes in the 
                     ),
                 )
                 return
-            if _dtype_tests(ctx, call, scope.func):
+            if _dtype_tests(ctx, call, scope.func) or _dispatched(ctx, call, buffer, scope.func):
                 return
+            if not _precision_varies(ctx.source, kind):
+                return  # one fixed main_grad precision in this file: nothing says the buffer can differ
             yield Violation(
                 node=call,
                 message=(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maingrad.contracts.anomalies import ANOMALIES, PREFLIGHT_ANOMALIES
-from maingrad.contracts.records import SCHEMA_VERSION, WHOLE_CALL
+from maingrad.contracts.records import WHOLE_CALL, new_record, record_id
 
 # What a parameter's `verdict` can be besides an anomaly code (or several joined by "+"):
 OK = "ok"  # every law held and the finite-difference estimate agrees within its error bar
@@ -279,33 +279,19 @@ class PreflightResult:
         out: list[dict[str, Any]] = []
 
         def add(**fields: Any) -> None:
-            rec: dict[str, Any] = {
-                "schema": SCHEMA_VERSION,
-                "id": f"{run}:{rank}:preflight-{len(out)}",
+            base: dict[str, Any] = {
+                "id": record_id(run, rank, f"preflight-{len(out)}"),
                 "run": run,
                 "rank": rank,
                 "step": 0,
-                "microbatch": 0,
                 "phase": "preflight",
                 "module": "*",
                 "param": WHOLE_CALL,
-                "has_main_grad": False,
-                "main_grad_is_none": None,
-                "dtype": None,
-                "shape": None,
-                "device": None,
-                "data_ptr": None,
-                "overwrite_main_grad": None,
-                "grad_added_to_main_grad": None,
-                "is_fsdp_param": False,
-                "action": "none",
-                "anomaly": None,
                 "mode": "check",
                 "commit": commit,
                 "t_ns": stamp,
             }
-            rec.update(fields)
-            out.append(rec)
+            out.append(new_record(**{**base, **fields}))
 
         add(module=f"preflight:{self.wrapper}" + (f":{self.strategy}" if self.strategy else ""),
             anomaly="preflight_error" if self.status == "error" else None)  # fmt: skip

@@ -194,6 +194,7 @@ def run_page(request: Request, name: str, run: str, session: SessionDep) -> HTML
         modules=records.aggregates(session, row, Record.module),
         ranks=records.aggregates(session, row, Record.rank),
         anomalies=records.anomalies(session, row),
+        anomaly_codes=records.anomaly_summary(session, row),
         viewer=viewer,
     )
 

@@ -22,19 +22,19 @@ def test_fix_is_byte_preserving_and_idempotent(project, run) -> None:
     root = project({"a.py": SOURCE.replace("\treturn", "    return")})
     path = root / "a.py"
     before = path.read_bytes()
-    result = run("fix", ".")
-    assert result.code == 1  # the unsafe MG902 finding and nothing else remains
+    result = run("fix", ".", "--fail-on", "warning")
+    assert result.code == 1  # the unsafe MG902 finding (a warning) and nothing else remains
     after = path.read_text()
     expected = before.decode().replace("    x = p.main_grad      #", "    x = p.main_grad_ok      #")
     assert after == expected  # only the edited node changed; the suppressed line was not fixed
-    assert run("fix", ".").code == 1 and path.read_text() == expected  # idempotent
+    assert run("fix", ".", "--fail-on", "warning").code == 1 and path.read_text() == expected  # idempotent
     remaining = run("check", "--format", "json").json()["findings"]
     assert [f["rule"] for f in remaining] == ["MG902"]
 
 
 def test_check_fix_and_unsafe(project, run) -> None:
     root = project({"a.py": "bad_call(p.main_grad)\n"})
-    assert run("check", "--fix").code == 1
+    assert run("check", "--fix", "--fail-on", "warning").code == 1  # MG902 (a warning, unsafe fix) remains
     assert (root / "a.py").read_text() == "bad_call(p.main_grad_ok)\n"
     assert run("check", "--fix", "--unsafe-fixes").code == 0
     assert (root / "a.py").read_text() == "good_call(p.main_grad_ok)\n"

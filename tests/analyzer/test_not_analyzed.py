@@ -73,7 +73,7 @@ def test_text_counts_them_and_exits_1(bad_tree: Path, run) -> None:  # type: ign
     assert lines[0].startswith("binary.py:1:6: MG999 cannot decode file")
     assert "locked/: MG999 cannot read directory: Permission denied; its files were not analyzed" in lines
     assert any(line.startswith("ok.py:1:5: MG901") for line in lines)
-    assert "Found 1 finding in 5 files; 4 files and 1 directory were not analyzed (MG999)." in lines
+    assert "Found 1 finding (1 error) in 5 files; 4 files and 1 directory were not analyzed (MG999)." in lines
     assert "All checks passed" not in result.out
     assert run("check", "--no-cache", "--exit-zero").code == 0
 

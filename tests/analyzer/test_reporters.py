@@ -22,21 +22,21 @@ FILES = {
 
 def test_text_format(project, run) -> None:
     project(FILES)
-    result = run("check")
+    result = run("check", "--concise")
     assert result.code == 1
     lines = result.out.splitlines()
     assert lines == [
-        "pkg/a.py:2:9: MG901 [*] `p.main_grad` is used",
-        "pkg/a.py:3:5: MG902 bad_call() is called",  # an unsafe fix: not applied by `maingrad fix`
-        "pkg/b.py:1:5: MG901 [*] `q.main_grad` is used",
+        "pkg/a.py:2:9: MG901 error [*] `p.main_grad` is used",
+        "pkg/a.py:3:5: MG902 warning bad_call() is called",  # an unsafe fix: not applied by `maingrad fix`
+        "pkg/b.py:1:5: MG901 error [*] `q.main_grad` is used",
         "pkg/broken.py:1:12: MG999 syntax error: '(' was never closed",  # the interpreter's words
-        "Found 3 findings in 3 files; 1 file was not analyzed (MG999).",
+        "Found 3 findings (2 errors, 1 warning) in 3 files; 1 file was not analyzed (MG999).",
         "[*] 2 fixable with `maingrad fix` (1 hidden fix can be enabled with `--unsafe-fixes`).",
     ]
     assert "\033[" not in result.out  # never colour when not a terminal
     assert result.err == ""
-    unsafe = run("check", "--unsafe-fixes").out.splitlines()
-    assert "pkg/a.py:3:5: MG902 [*] bad_call() is called" in unsafe
+    unsafe = run("check", "--unsafe-fixes", "--concise").out.splitlines()
+    assert "pkg/a.py:3:5: MG902 warning [*] bad_call() is called" in unsafe
     assert unsafe[-1] == "[*] 3 fixable with `maingrad fix`."
 
 
@@ -49,15 +49,63 @@ def test_quiet_statistics_and_show_source(project, run) -> None:
         "1\tMG902\t[ ] test-bad-call",
         "1\tMG999\t[ ] not-analyzed",
     ]
-    shown = run("check", "--show-source", "--quiet", "--select", "MG902").out
-    assert shown.splitlines()[:6] == [
-        "pkg/a.py:3:5: MG902 bad_call() is called",
+    shown = run("check", "--quiet", "--select", "MG902").out  # the code frame is the default
+    assert shown.splitlines()[:8] == [
+        "pkg/a.py:3:5: MG902 warning bad_call() is called",
         "  |",
         "2 |     x = p.main_grad",
         "3 |     bad_call()",
         "  |     ^^^^^^^^^^ MG902",
         "  |",
+        "  = help: see `maingrad explain MG902`",
+        "",
     ]
+    assert run("check", "--show-source", "--quiet", "--select", "MG902").out == shown
+
+
+def test_long_messages_split_into_a_headline_and_detail() -> None:
+    from maingrad.analyzer.reporters.text import split_message
+
+    message = (
+        "truth value of tensor `p.main_grad` is taken; test presence with `p.main_grad is None` / "
+        "`p.main_grad is not None` (a multi-element tensor raises, a zero one reads as missing)"
+    )
+    head, detail = split_message(message)
+    assert head == "truth value of tensor `p.main_grad` is taken"
+    assert detail.startswith("test presence with `p.main_grad is None`") and detail.endswith("missing)")
+    # Boundaries inside backquotes never split, short messages stay whole.
+    assert split_message("`a; b. c: d` is a long piece of code quoted in a message")[1] == ""
+    assert split_message("short; message") == ("short; message", "")
+
+
+def test_fail_on_matches_the_gate_default(project, run) -> None:
+    from maingrad.contracts.report import DEFAULT_FAIL_ON
+    from maingrad.service.config import Settings
+
+    assert Settings().gate_fail_severity == DEFAULT_FAIL_ON.value == "error"
+    project({"pkg/a.py": "def f():\n    bad_call()\n"})  # MG902: a warning only
+    result = run("check", "--concise")
+    assert result.code == 0, result.out  # the gate passes a warning-only report: so does check
+    assert "None at or above --fail-on error: exit status 0." in result.out
+    assert run("check", "--fail-on", "warning").code == 1
+    assert run("check", "--fail-on", "info").code == 1
+    project({"pkg/a.py": "def f(p):\n    x = p.main_grad\n"})  # MG901: an error
+    assert run("check").code == 1 and run("check", "--exit-zero").code == 0
+
+
+def test_no_python_file_is_a_usage_error(project, run) -> None:
+    project({"notes.txt": "no python here\n"})
+    result = run("check")
+    assert result.code == 2 and result.out == ""
+    assert (
+        result.err.startswith("maingrad: error: no Python file to check in")
+        and len(result.err.splitlines()) == 1
+    )
+    # pre-commit naming only files the project excludes (--force-exclude): nothing to do, not an error
+    project({"gen/a.py": "x = p.main_grad\n"}, 'select = ["MG90"]\nexclude = ["gen/"]\n')
+    excluded = run("check", "--force-exclude", "gen/a.py")
+    assert excluded.code == 0 and "excluded" in excluded.err
+    assert run("check", "gen/a.py").code == 1  # named without --force-exclude: checked
 
 
 def test_colour_only_when_forced_or_on_a_terminal(project, run, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,7 +159,6 @@ GITHUB_SARIF = {
                                                 "shortDescription",
                                                 "fullDescription",
                                                 "help",
-                                                "helpUri",
                                                 "defaultConfiguration",
                                             ],
                                             "properties": {
@@ -201,11 +248,12 @@ def test_sarif(project, run) -> None:
     first = run_["results"][0]
     assert first["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "pkg/a.py"
     assert first["locations"][0]["physicalLocation"]["region"]["snippet"]["text"] == "    x = p.main_grad"
-    assert run_["originalUriBaseIds"]["%SRCROOT%"]["uri"] == root.resolve().as_uri() + "/"
+    # Relative URIs only: the base is named, never located (the file must not carry the checkout's path).
+    assert "uri" not in run_["originalUriBaseIds"]["%SRCROOT%"]
+    assert str(root.resolve()) not in json.dumps(sarif) and "file:" not in json.dumps(sarif)
     assert {r["id"] for r in rules} == {"MG901", "MG902", "MG903", "MG904", "MG999"}
-    assert all(
-        r["helpUri"].endswith(f"/{r['id']}.md") and "What it does" in r["help"]["markdown"] for r in rules
-    )
+    # Help is the docs `maingrad explain` prints, shipped in the package; no link to a location not verified.
+    assert all("helpUri" not in r and "What it does" in r["help"]["markdown"] for r in rules)
     notes = run_["invocations"][0]["toolExecutionNotifications"]
     assert [n["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for n in notes] == [
         "pkg/broken.py"

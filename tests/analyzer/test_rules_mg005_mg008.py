@@ -319,7 +319,10 @@ def test_mg007_matmul_import_forms_and_fix_needs_a_statement() -> None:
 
 
 def test_mg007_kernel_dispatch_fix_needs_torch() -> None:
-    code = "import torch as T\nimport fused_weight_gradient_mlp_cuda as k\n\ndef f(w, x, dy):\n    k.wgrad_gemm_accum_fp16(x, dy, w.main_grad)\n"
+    code = (
+        "import torch as T\nimport fused_weight_gradient_mlp_cuda as k\n\ndef f(w, x, dy):\n"
+        "    k.wgrad_gemm_accum_fp16(x, dy, w.main_grad)\n\ndef g(w):\n    return w.main_grad.dtype\n"
+    )
     assert len(findings("MG007", code)) == 1
     assert fixed("MG007", code) == code  # `torch` is not bound under that name: no rewrite
     guarded = code.replace(

@@ -1,0 +1,722 @@
+"""maingrad.hooks.preflight on a model zoo and an injected-bug suite, on one GPU with the real stack.
+
+Run on a GPU machine with Transformer Engine and megatron-core importable (the recipe in tests/gpu: TE from its
+wheels under /tmp/site, megatron-core 0.19.2 under /tmp/mc19):
+
+    PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19 python3 tests/gpu/preflight_zoo.py --json zoo.json zoo bugs
+
+`zoo` runs every configuration of ZOO (correct models: any failing verdict is a false alarm), `bugs` every
+case of BUGS (one bug injected into one parameter of a correct model: preflight must name exactly that
+parameter, with a verdict of the bug's kind), or name cases one by one. None of the models, sizes or bugs was
+tuned to preflight: they are the shapes people train (GPT from 125M to 1.2B parameters with cross-entropy, tied
+and untied embeddings, MoE dropless / with token dropping / with experts that get no tokens, fp32, bf16, FP8)
+under the wrappers they train with (Megatron DDP, Megatron-FSDP, torch FSDP2), and bugs of the kinds that were
+seen in the wild (overwritten, scaled, dropped, periodic, position-dependent, stale gradients).
+
+A bug is injected after the training code's own backward, into the gradient the optimizer reads (`main_grad`
+where the wrapper keeps one, else `.grad`): the micro-batch's contribution d = G_after - G_before is replaced by
+f(d) on the target parameter only. The "stale" bug instead keeps the target's gradient across
+`zero_grad_buffer()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", "29581")
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def say(*args: object) -> None:
+    print(*args, flush=True)
+
+
+# -- configurations ---------------------------------------------------------------------------------------------
+@dataclass
+class Model:
+    """One model of the zoo: a GPT (megatron-core GPTModel, TE or local spec) or a plain-torch GPT (for FSDP2)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int = 32000
+    seq: int = 1024
+    batch: int = 1
+    tied: bool = True
+    dtype: str = "bf16"  # bf16 | fp32
+    fp8: bool = False
+    spec: str = "te"  # te | local | torch
+    experts: int = 0
+    topk: int = 2
+    moe_ffn: int = 0
+    capacity: float | None = None  # token dropping when set
+    fusion: bool = True  # gradient_accumulation_fusion
+
+    def params_estimate(self) -> float:
+        per_layer = (
+            12 * self.hidden**2
+            if not self.experts
+            else 4 * self.hidden**2 + self.experts * 3 * self.hidden * self.moe_ffn
+        )
+        return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+@dataclass
+class Case:
+    name: str
+    model: Model
+    wrapper: str  # ddp | fsdp:<strategy> | fsdp2 | plain
+    microbatches: int = 3
+    bug: str | None = None  # kind of injected bug (see INJECTIONS)
+    target: str | None = None  # parameter name (wrapper prefixes removed) the bug is injected into
+    expect: str = "pass"  # pass | fail
+    expect_codes: tuple[str, ...] = ()
+    note: str = ""
+
+
+GPT125 = dict(layers=12, hidden=768, heads=12)
+GPT350 = dict(layers=24, hidden=1024, heads=16)
+GPT541 = dict(layers=8, hidden=2048, heads=16, seq=2048, tied=False)  # the issue's 541M model
+GPT1B = dict(layers=20, hidden=2048, heads=16, seq=2048)
+MOE = dict(layers=4, hidden=1024, heads=16, experts=8, topk=2, moe_ffn=1024)
+
+ZOO: list[Case] = [
+    Case("gpt125m-tied-ddp-bf16", Model(**GPT125), "ddp"),
+    Case("gpt125m-untied-ddp-bf16", Model(**{**GPT125, "tied": False}), "ddp"),
+    Case("gpt125m-tied-ddp-fp32", Model(**{**GPT125, "dtype": "fp32"}), "ddp"),
+    Case("gpt125m-local-ddp-bf16", Model(**{**GPT125, "spec": "local"}), "ddp"),
+    Case("gpt350m-tied-ddp-fp8", Model(**{**GPT350, "fp8": True}), "ddp"),
+    Case("gpt541m-untied-ddp-bf16", Model(**GPT541), "ddp"),
+    Case("gpt541m-untied-fsdp-noshard-bf16", Model(**GPT541), "fsdp:no_shard"),
+    Case("gpt1.2b-tied-ddp-bf16", Model(**GPT1B), "ddp"),
+    Case("gpt125m-fsdp-optim-nofusion", Model(**{**GPT125, "fusion": False}), "fsdp:optim"),
+    Case("gpt125m-fsdp-optimgrads-nofusion", Model(**{**GPT125, "fusion": False}), "fsdp:optim_grads"),
+    Case("gpt125m-fsdp-ogp-nofusion", Model(**{**GPT125, "fusion": False}), "fsdp:optim_grads_params"),
+    Case("gpt125m-fsdp-noshard-fusion", Model(**GPT125), "fsdp:no_shard"),
+    Case("moe8-dropless-ddp-bf16", Model(**MOE), "ddp"),
+    Case("moe8-dropping-ddp-bf16", Model(**{**MOE, "capacity": 1.0}), "ddp"),
+    Case(
+        "moe64-idle-experts-ddp-bf16",
+        Model(**{**MOE, "experts": 64, "topk": 1, "moe_ffn": 256, "seq": 32}),
+        "ddp",
+    ),
+    Case("moe8-dropless-fsdp-noshard", Model(**MOE), "fsdp:no_shard"),
+    Case("torchgpt-fsdp2-bf16", Model(layers=6, hidden=512, heads=8, spec="torch"), "fsdp2"),
+    Case("torchgpt-fsdp2-fp32", Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"), "fsdp2"),
+    Case(
+        "torchgpt-plain-fp32",
+        Model(layers=4, hidden=256, heads=4, spec="torch", dtype="fp32", vocab=8000),
+        "plain",
+    ),
+]
+
+L = "decoder.layers"
+_BUG_MODEL = Model(**GPT125)
+_MOE_MODEL = Model(**MOE)
+BUGS: list[Case] = [
+    Case(
+        "bug-overwrite",
+        _BUG_MODEL,
+        "ddp",
+        bug="overwrite",
+        target=f"{L}.5.mlp.linear_fc1.weight",
+        expect="fail",
+        expect_codes=("grad_overwritten",),
+    ),  # fmt: skip
+    Case(
+        "bug-half",
+        _BUG_MODEL,
+        "ddp",
+        bug="x0.5",
+        target=f"{L}.3.self_attention.linear_proj.weight",
+        expect="fail",
+        expect_codes=("grad_scaled",),
+    ),  # fmt: skip
+    Case(
+        "bug-x2",
+        _BUG_MODEL,
+        "ddp",
+        bug="x2",
+        target=f"{L}.7.mlp.linear_fc2.weight",
+        expect="fail",
+        expect_codes=("grad_scaled",),
+    ),  # fmt: skip
+    Case(
+        "bug-x3-norm",
+        _BUG_MODEL,
+        "ddp",
+        bug="x3",
+        target=f"{L}.4.mlp.linear_fc1.layer_norm_weight",
+        expect="fail",
+        expect_codes=("grad_scaled",),
+    ),  # fmt: skip
+    Case(
+        "bug-x1.3-fp32",
+        Model(**{**GPT125, "dtype": "fp32"}),
+        "ddp",
+        bug="x1.3",
+        target=f"{L}.6.self_attention.linear_qkv.weight",
+        expect="fail",
+        expect_codes=("grad_scaled",),
+    ),
+    Case(
+        "bug-dropped",
+        _BUG_MODEL,
+        "ddp",
+        bug="drop",
+        target=f"{L}.2.self_attention.linear_qkv.weight",
+        expect="fail",
+        expect_codes=("grad_lost",),
+    ),  # fmt: skip
+    Case(
+        "bug-periodic-half",
+        _BUG_MODEL,
+        "ddp",
+        bug="periodic",
+        target=f"{L}.8.mlp.linear_fc2.weight",
+        expect="fail",
+        expect_codes=("grad_inconsistent", "grad_scaled", "grad_overwritten", "grad_lost"),
+    ),
+    Case(
+        "bug-position3-lost",
+        _BUG_MODEL,
+        "ddp",
+        bug="position3",
+        target=f"{L}.1.mlp.linear_fc1.weight",
+        expect="fail",
+        expect_codes=("grad_inconsistent", "grad_lost", "grad_overwritten"),
+    ),
+    Case(
+        "bug-stale",
+        _BUG_MODEL,
+        "ddp",
+        bug="stale",
+        target=f"{L}.9.self_attention.linear_proj.weight",
+        expect="fail",
+        expect_codes=("grad_inconsistent", "grad_nondeterministic"),
+    ),
+    Case(
+        "bug-expert-lost",
+        _MOE_MODEL,
+        "ddp",
+        bug="drop",
+        target=f"{L}.2.mlp.experts.linear_fc1.weight3",
+        expect="fail",
+        expect_codes=("grad_lost",),
+    ),  # fmt: skip
+    Case(
+        "bug-embedding-x2-tied",
+        _BUG_MODEL,
+        "ddp",
+        bug="x2",
+        target="embedding.word_embeddings.weight",
+        expect="fail",
+        expect_codes=("grad_scaled",),
+    ),  # fmt: skip
+    Case(
+        "bug-fsdp2-x3",
+        Model(layers=6, hidden=512, heads=8, spec="torch"),
+        "fsdp2",
+        bug="x3",
+        target="layers.2.mlp.0.weight",
+        expect="fail",
+        expect_codes=("grad_scaled",),
+    ),
+    Case(
+        "bug-fsdp-noshard-x0.5",
+        _BUG_MODEL,
+        "fsdp:no_shard",
+        bug="x0.5",
+        target=f"{L}.10.mlp.linear_fc2.weight",
+        expect="fail",
+        expect_codes=("grad_scaled",),
+    ),
+    Case(
+        "bug-541m-overwrite",
+        Model(**GPT541),
+        "ddp",
+        bug="overwrite",
+        target=f"{L}.4.mlp.linear_fc2.weight",
+        expect="fail",
+        expect_codes=("grad_overwritten",),
+    ),  # fmt: skip
+]
+CASES = {c.name: c for c in ZOO + BUGS}
+
+
+# -- models -----------------------------------------------------------------------------------------------------
+def mcore_config(m: Model):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw: dict[str, Any] = dict(
+        num_layers=m.layers,
+        hidden_size=m.hidden,
+        num_attention_heads=m.heads,
+        ffn_hidden_size=4 * m.hidden,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=m.dtype == "bf16",
+        params_dtype=torch.bfloat16 if m.dtype == "bf16" else torch.float32,
+        gradient_accumulation_fusion=m.fusion,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+    )
+    if m.fp8:
+        kw |= dict(fp8="hybrid", fp8_recipe="delayed")
+    if m.experts:
+        kw |= dict(
+            num_moe_experts=m.experts,
+            moe_router_topk=m.topk,
+            moe_ffn_hidden_size=m.moe_ffn,
+            moe_grouped_gemm=True,
+            moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            add_bias_linear=False,
+        )
+        if m.topk == 1:
+            kw |= dict(moe_router_pre_softmax=True)
+        if m.capacity is not None:
+            kw |= dict(moe_expert_capacity_factor=m.capacity, moe_token_drop_policy="probs")
+    return TransformerConfig(**kw)
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block in plain torch."""
+
+    def __init__(self, m: Model) -> None:
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(m.hidden)
+        self.attn = torch.nn.MultiheadAttention(m.hidden, m.heads, batch_first=True)
+        self.norm2 = torch.nn.LayerNorm(m.hidden)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(m.hidden, 4 * m.hidden), torch.nn.GELU(), torch.nn.Linear(4 * m.hidden, m.hidden)
+        )
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
+        x = x + a
+        return x + self.mlp(self.norm2(x))
+
+
+class TorchGPT(torch.nn.Module):
+    """A small decoder-only transformer in plain torch (for torch FSDP2, which Megatron's fused paths are not for)."""
+
+    def __init__(self, m: Model) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(m.vocab, m.hidden)
+        self.pos = torch.nn.Parameter(torch.randn(m.seq, m.hidden) * 0.02)
+        self.layers = torch.nn.ModuleList([Block(m) for _ in range(m.layers)])
+        self.norm = torch.nn.LayerNorm(m.hidden)
+        self.head = torch.nn.Linear(m.hidden, m.vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer(
+            "mask", torch.triu(torch.ones(m.seq, m.seq, dtype=torch.bool), 1), persistent=False
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        x = self.embed(ids) + self.pos[:n]
+        for layer in self.layers:
+            x = layer(x, self.mask[:n, :n])
+        return self.head(self.norm(x))
+
+
+def build(case: Case) -> tuple[torch.nn.Module, Any]:
+    m = case.model
+    torch.manual_seed(1234)
+    if m.spec == "torch":
+        net = TorchGPT(m).cuda()
+        if m.dtype == "bf16":
+            net = net.to(torch.bfloat16)
+        if case.wrapper == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in net.layers:
+                fully_shard(layer)
+            fully_shard(net)
+        return net, None
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    model_parallel_cuda_manual_seed(1234)
+    cfg = mcore_config(m)
+    if m.spec == "local":
+        spec = get_gpt_layer_local_spec()
+    elif m.experts:
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=m.experts, moe_grouped_gemm=True)
+    else:
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    net: torch.nn.Module = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=m.vocab,
+        max_sequence_length=m.seq,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=m.tied,
+    ).cuda()
+    if m.dtype == "bf16":
+        net = Float16Module(cfg, net)
+    return wrap(cfg, net, case.wrapper), cfg
+
+
+def wrap(cfg, net: torch.nn.Module, wrapper: str) -> torch.nn.Module:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if wrapper.startswith("fsdp:"):
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        strategy = wrapper.split(":", 1)[1]
+        ddp = DistributedDataParallelConfig(
+            use_megatron_fsdp=True,
+            data_parallel_sharding_strategy=strategy,
+            overlap_grad_reduce=strategy in ("optim_grads", "optim_grads_params"),
+            overlap_param_gather=False,
+            use_distributed_optimizer=True,
+        )
+        return FullyShardedDataParallel(config=cfg, ddp_config=ddp, module=net)
+    if wrapper == "ddp":
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        return DistributedDataParallel(config=cfg, ddp_config=ddp, module=net)
+    return net
+
+
+def make_batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    m = case.model
+    g = torch.Generator(device="cuda").manual_seed(99)
+    out = []
+    for _ in range(case.microbatches):
+        ids = torch.randint(0, m.vocab, (m.batch, m.seq + 1), device="cuda", generator=g)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    ids, labels = batch
+    inner = model
+    while hasattr(inner, "module") and not isinstance(inner, TorchGPT):
+        inner = inner.module
+    if isinstance(inner, TorchGPT):
+        logits = model(ids)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    losses = model(ids, pos, None, labels=labels)  # per-token cross-entropy, [b, s]
+    return losses.float().mean()
+
+
+def run_microbatch(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    loss = loss_fn(model, batch)
+    loss.backward()
+    return loss.detach()
+
+
+# -- injected bugs ----------------------------------------------------------------------------------------------
+def short(name: str) -> str:
+    """A parameter name without wrapper prefixes (module., module.module., _orig_mod.)."""
+    parts = name.split(".")
+    while parts and parts[0] in ("module", "_orig_mod", "_fsdp_wrapped_module"):
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+class Injector:
+    """Replaces one parameter's per-micro-batch gradient contribution d by f(d) after each backward."""
+
+    def __init__(self, model: torch.nn.Module, case: Case) -> None:
+        self.kind = case.bug
+        found = [(n, p) for n, p in model.named_parameters() if short(n) == case.target]
+        if not found:
+            names = [short(n) for n, _ in model.named_parameters()]
+            raise SystemExit(f"{case.name}: no parameter {case.target!r}; e.g. {names[:8]}")
+        self.param = found[0][1]
+        self.backwards = 0  # every backward since the injector was made
+        self.position = 0  # backwards since the last zeroing
+        self.fired = 0
+        zero = getattr(model, "zero_grad_buffer", None)
+        if zero is not None:
+
+            def zero_grad_buffer(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+                keep = self._buffer()
+                saved = keep.clone() if (self.kind == "stale" and keep is not None) else None
+                out = zero(*args, **kwargs)
+                self.position = 0
+                if saved is not None:
+                    self._buffer().copy_(saved)
+                    self.fired += 1
+                return out
+
+            model.zero_grad_buffer = zero_grad_buffer  # type: ignore[method-assign]
+        else:
+            orig_zero_grad = model.zero_grad
+
+            def zero_grad(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+                self.position = 0
+                return orig_zero_grad(*args, **kwargs)
+
+            model.zero_grad = zero_grad  # type: ignore[method-assign]
+
+    def _buffer(self) -> torch.Tensor | None:
+        mg = getattr(self.param, "main_grad", None)
+        if isinstance(mg, torch.Tensor):
+            return mg
+        g = self.param.grad
+        if g is not None and hasattr(g, "_local_tensor"):
+            return g._local_tensor
+        return g
+
+    def wrap(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        def run_with_bug(model: torch.nn.Module, batch: Any) -> Any:
+            before = self._buffer()
+            before = before.detach().clone() if before is not None else None
+            out = run(model, batch)
+            self.backwards += 1
+            self.position += 1
+            after = self._buffer()
+            if after is None or self.kind == "stale":
+                return out
+            base = before if before is not None else torch.zeros_like(after)
+            d = after - base
+            k = self.kind
+            if k == "overwrite":
+                new = d
+            elif k and k.startswith("x"):
+                new = base + float(k[1:]) * d
+            elif k == "drop":
+                new = base
+            elif k == "periodic":
+                new = base + (0.5 * d if self.backwards % 2 == 0 else d)
+            elif k == "position3":
+                new = base if self.position >= 3 else after
+            else:
+                raise SystemExit(f"unknown bug {k!r}")
+            with torch.no_grad():
+                after.copy_(new)
+            self.fired += 1
+            return out
+
+        return run_with_bug
+
+
+# -- one case ---------------------------------------------------------------------------------------------------
+def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    import maingrad.hooks
+
+    out: dict[str, Any] = {"case": case.name, "wrapper": case.wrapper, "bug": case.bug, "target": case.target,
+                           "expect": case.expect, "params_estimate": case.model.params_estimate()}  # fmt: skip
+    t0 = time.time()
+    try:
+        model, _cfg = build(case)
+        n_params = sum(p.numel() for p in model.parameters())
+        out["params"] = n_params
+        data = make_batches(case)
+        run = run_microbatch
+        injector = None
+        if case.bug:
+            injector = Injector(model, case)
+            run = injector.wrap(run_microbatch)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+        t1 = time.time()
+        result = maingrad.hooks.preflight(model, run, data, loss_fn=loss_fn, label=case.name)
+        torch.cuda.synchronize()
+        out["preflight_seconds"] = round(time.time() - t1, 2)
+        out["preflight_peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - base_mem) / 2**20, 1)
+        say(result.table())
+        if getattr(result, "error_traceback", None):
+            say(result.error_traceback)
+        named: dict[str, list[str]] = {}
+        for p in result.params:
+            for code in p.anomalies:
+                named.setdefault(code, []).append(short(p.name))
+        out["status"] = result.status
+        out["named"] = named
+        out["fired"] = injector.fired if injector else 0
+        out["result"] = result.to_dict()
+        flagged = {n for names in named.values() for n in names}
+        if case.expect == "pass":
+            out["grade"] = "ok" if result.status == "pass" else ("false-alarm" if flagged else result.status)
+        else:
+            codes = {c for c, names in named.items() if case.target in names}
+            right_param = flagged == {case.target}
+            right_code = bool(codes & set(case.expect_codes))
+            out["grade"] = (
+                "ok" if right_param and right_code
+                else "missed" if not flagged
+                else "wrong-blame" if not right_param
+                else "wrong-verdict"
+            )  # fmt: skip
+        del model
+    except Exception as exc:  # noqa: BLE001 - the table reports it
+        out |= {"status": "driver-error", "grade": "driver-error",
+                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}  # fmt: skip
+        traceback.print_exc(limit=10)
+    out["seconds"] = round(time.time() - t0, 1)
+    verdict = "; ".join(
+        f"{c}: {', '.join(n[:4])}{' ...' if len(n) > 4 else ''}" for c, n in out.get("named", {}).items()
+    )
+    say(f"ZOO {out['grade']:<13} {case.name:<38} {out.get('status')} ({out['seconds']} s, "
+        f"{out.get('params', 0) / 1e6:.0f}M params) | {verdict or '-'}")  # fmt: skip
+    torch.cuda.empty_cache()
+    return out
+
+
+# -- cost: preflight against training steps, interleaved in one run ---------------------------------------------
+def make_optimizer(model: torch.nn.Module, m: Model):
+    """megatron-core's own optimizer for the model (Adam, as its training loop builds it)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=1e-6, min_lr=0.0, weight_decay=0.0, bf16=m.dtype == "bf16",
+        params_dtype=torch.bfloat16 if m.dtype == "bf16" else torch.float32, use_distributed_optimizer=False,
+        clip_grad=1.0,
+    )  # fmt: skip
+    return get_megatron_optimizer(config, [model])
+
+
+def cost(case: Case, rounds: int) -> dict[str, Any]:
+    """Median over rounds of (one preflight call) / (median training step of the same round): a training step is
+    Megatron's loop iteration (zero, every micro-batch forward+backward, grad sync, optimizer step); memory is
+    the peak above the base (zeroed buffers), against the bytes of the gradients the optimizer reads."""
+    import statistics
+
+    import maingrad.hooks
+
+    model, _cfg = build(case)
+    data = make_batches(case)
+    run = run_microbatch
+    if case.bug:
+        run = Injector(model, case).wrap(run_microbatch)
+    optimizer = make_optimizer(model, case.model)
+    grad_bytes = sum(
+        p.main_grad.numel() * p.main_grad.element_size()
+        for p in model.parameters()
+        if hasattr(p, "main_grad")
+    )
+
+    def step() -> None:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        for batch in data:
+            run(model, batch)
+        model.finish_grad_sync()
+        optimizer.step()
+
+    def timed(call: Callable[[], Any]) -> tuple[float, int]:
+        model.zero_grad_buffer()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
+
+    results: list[Any] = []
+
+    def check() -> None:
+        results.append(maingrad.hooks.preflight(model, run, data, loss_fn=loss_fn, label=case.name))
+
+    for _ in range(3):
+        timed(step)
+    timed(check)
+    ratios, step_peaks, check_peaks, steps_s, checks_s = [], [], [], [], []
+    for _ in range(rounds):
+        round_steps = []
+        for _ in range(3):
+            t, peak = timed(step)
+            round_steps.append(t)
+            step_peaks.append(peak)
+        t, peak = timed(check)
+        checks_s.append(t)
+        check_peaks.append(peak)
+        steps_s += round_steps
+        ratios.append(t / statistics.median(round_steps))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    extra = max(check_peaks) - max(step_peaks)
+    out = {
+        "case": case.name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "status": results[-1].status,
+        "rounds": rounds,
+        "step_s_median": statistics.median(steps_s),
+        "preflight_s_median": statistics.median(checks_s),
+        "steps_per_preflight_median": statistics.median(ratios),
+        "steps_per_preflight_quartiles": [q[0], q[2]],
+        "grad_bytes": grad_bytes,
+        "peak_above_step_bytes": extra,
+        "peak_above_step_over_grads": extra / grad_bytes if grad_bytes else None,
+        "cost": results[-1].cost,
+    }
+    say(results[-1].table())
+    say("COST", json.dumps(out))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("cases", nargs="+", help="case names, or 'zoo' / 'bugs' for all of them")
+    p.add_argument("--json", default=None)
+    p.add_argument("--list", action="store_true")
+    p.add_argument(
+        "--cost", type=int, default=0, help="instead: N interleaved rounds of steps and preflight calls"
+    )
+    args = p.parse_args()
+    names: list[str] = []
+    for c in args.cases:
+        names += [x.name for x in ZOO] if c == "zoo" else [x.name for x in BUGS] if c == "bugs" else [c]
+    unknown = [n for n in names if n not in CASES]
+    if unknown or args.list:
+        say("cases:", " ".join(CASES))
+        sys.exit(2 if unknown else 0)
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    import megatron.core
+    import transformer_engine
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    say(f"megatron-core {megatron.core.__version__}; TE {transformer_engine.__version__}; torch {torch.__version__}; "
+        f"{torch.cuda.get_device_name(0)}")  # fmt: skip
+    if args.cost:
+        costs = [cost(CASES[n], args.cost) for n in names]
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(costs, handle, indent=1, default=str)
+        torch.distributed.destroy_process_group()
+        return
+    results = []
+    for n in names:
+        results.append(run_case(CASES[n], args))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(results, handle, indent=1, default=str)
+    grades: dict[str, int] = {}
+    for r in results:
+        grades[r["grade"]] = grades.get(r["grade"], 0) + 1
+    say("ZOO SUMMARY", json.dumps(grades))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
