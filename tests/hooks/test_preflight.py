@@ -462,3 +462,17 @@ def test_preflight_from_env_modes(tmp_path, capsys) -> None:
     assert exc.value.code == 0
     with pytest.raises(ValueError, match="MAINGRAD_PREFLIGHT='sometimes'"):
         preflight_from_env(fsdp("te", "no_shard"), *args, env={"MAINGRAD_PREFLIGHT": "sometimes"})
+
+
+def test_every_lazy_export_is_typed_for_type_checkers() -> None:
+    """`maingrad.hooks` loads its names lazily (`__getattr__`, typed Any); the same names are imported under
+    TYPE_CHECKING so that a user's type checker sees install() / preflight() with their real signatures."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(maingrad.hooks.__file__).read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    typed = {
+        alias.asname or alias.name for n in guarded.body if isinstance(n, ast.ImportFrom) for alias in n.names
+    }
+    assert set(maingrad.hooks._EXPORTS) == typed
