@@ -19,7 +19,7 @@ from maingrad.contracts.extras import install_hint
 _PARTS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("maingrad.analyzer.cli", None, ("check", "fix", "rules", "explain")),
     ("maingrad.hooks.cli", "runtime", ("hooks",)),
-    ("maingrad.hooks.preflight_cli", "runtime", ("preflight",)),
+    ("maingrad.hooks.preflight.cli", "runtime", ("preflight",)),
     ("maingrad.service.cli", "service", ("serve", "upload", "gate", "token")),
 )
 
@@ -59,6 +59,7 @@ EXIT_CODES: dict[str, tuple[str, ...]] = {
         "0  the check passed",
         "1  it found a problem (--show: the saved result did not pass)",
         "2  usage error, no such script, or the script never called preflight_from_env",
+        "3  inconclusive: no problem found, but some parameter could not be judged (--script)",
     ),
 }
 

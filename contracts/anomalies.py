@@ -142,6 +142,14 @@ ANOMALIES: dict[str, Anomaly] = {
             "kernels (torch.use_deterministic_algorithms)",
         ),
         Anomaly(
+            "grad_stale",
+            "preflight: the gradient buffer still holds an earlier step's gradient after the wrapper zeroed it, "
+            "so every step adds the previous steps' gradients",
+            False,
+            "zero every buffer the optimizer reads between steps (the wrapper's zero_grad_buffer() must reach "
+            "this parameter's main_grad, e.g. a main_grad replaced by a tensor outside the gradient buffer)",
+        ),
+        Anomaly(
             "grad_inconsistent",
             "preflight: the optimizer's gradient neither accumulates its micro-batches nor keeps one of them, "
             "or disagrees with the finite-difference estimate by something other than a constant factor",
@@ -173,6 +181,7 @@ PREFLIGHT_ANOMALIES: tuple[str, ...] = (
     "grad_nondeterministic",
     "grad_lost",
     "grad_overwritten",
+    "grad_stale",
     "grad_scaled",
     "grad_inconsistent",
 )

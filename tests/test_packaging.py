@@ -62,6 +62,8 @@ def test_wheel_holds_one_namespace_with_data_files(wheel: Path) -> None:
         "maingrad/analyzer/engine.py",
         "maingrad/analyzer/rules/mg001_fused_op_without_exposure.py",
         "maingrad/hooks/api.py",
+        "maingrad/hooks/preflight/run.py",  # a subpackage: listed in pyproject's packages
+        "maingrad/hooks/py.typed",  # a user's type checker reads install() / preflight() types
         "maingrad/service/app.py",
         "maingrad/service/migrations/env.py",
         "maingrad/service/dashboard/templates/base.html",

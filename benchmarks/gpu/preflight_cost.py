@@ -175,14 +175,15 @@ class Phases:
     the memory held when it last ended."""
 
     PARTS = {
-        "maingrad.hooks.preflight_check._Preflight": (
-            "__init__", "run_a", "keep_copy", "fd", "_fd_eval", "_loss", "run_rest", "repeat", "_run", "host",
+        "maingrad.hooks.preflight.run.Check": (
+            "__init__", "first", "fd", "_round", "_evaluate", "_loss", "singles", "sequence", "repeat", "_run",
+            "host",
         ),
-        "maingrad.hooks.preflight_check": ("_classify", "_execute"),
-        "maingrad.hooks.preflight_state.BufferState": ("__init__", "restore"),
-        "maingrad.hooks.preflight_state.RngState": ("__init__", "apply"),
-        "maingrad.hooks.preflight_wrappers.MegatronFsdpAdapter": ("zero", "finish", "prepare", "commit"),
-        "maingrad.hooks.preflight_wrappers.Adapter": ("__init__",),
+        "maingrad.hooks.preflight.run": ("_classify", "_execute"),
+        "maingrad.hooks.preflight.state.BufferState": ("__init__", "restore"),
+        "maingrad.hooks.preflight.state.RngState": ("__init__", "apply"),
+        "maingrad.hooks.preflight.wrappers.MegatronFsdpAdapter": ("zero", "finish", "prepare", "commit"),
+        "maingrad.hooks.preflight.wrappers.Adapter": ("__init__",),
     }  # fmt: skip
 
     def __init__(self) -> None:
@@ -298,15 +299,15 @@ def measure(strategy: str) -> None:
         """BASELINE: the wrapper's between-steps calls before every run, as preflight made them before it
         skipped the redundant ones (start_param_sync() before each run, zero_grad_buffer() also where nothing
         ran backward since the last zeroing); everything else identical."""
-        from maingrad.hooks.preflight_check import _Preflight
+        from maingrad.hooks.preflight.run import Check
 
-        saved = _Preflight._prepare, _Preflight._zero
-        _Preflight._prepare = lambda self: self.adapter.prepare()  # type: ignore[method-assign]
-        _Preflight._zero = lambda self: self.adapter.zero()  # type: ignore[method-assign]
+        saved = Check._prepare, Check._zero
+        Check._prepare = lambda self: self.adapter.prepare()  # type: ignore[method-assign]
+        Check._zero = lambda self: self.adapter.zero()  # type: ignore[method-assign]
         try:
             preflight(model, run_microbatch, data, loss_fn=loss_fn)
         finally:
-            _Preflight._prepare, _Preflight._zero = saved
+            Check._prepare, Check._zero = saved
 
     timed(call)  # warm-up
     if BASELINE:

@@ -18,7 +18,7 @@ A case is MODEL/WRAPPER/FUSION:
   WRAPPER a Megatron-FSDP strategy (no_shard, optim, optim_grads, optim_grads_params), ddp (Megatron DDP) or
           ddp-distopt (Megatron DDP with the distributed optimizer)
   FUSION  fusion (gradient_accumulation_fusion=True) or nofusion
-2 micro-batches (A, B), data-parallel size 1. Output: each case's preflight table, a one-line verdict per case
+3 micro-batches (A, B, C: preflight needs 3 distinct ones to rule out periodic errors), data-parallel size 1. Output: each case's preflight table, a one-line verdict per case
 (which parameters preflight named, per anomaly), and --json FILE with every result's to_dict().
 """
 
@@ -169,12 +169,12 @@ def batches(model: str, *, hidden: int = H, seq: int = S, batch: int = BATCH) ->
                 pos,
                 torch.randint(0, VOCAB, (batch, seq), device="cuda", generator=g),
             )
-            for _ in range(2)
+            for _ in range(3)
         ]
     shape = (seq, batch, hidden)
     x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
     target = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    return [(x, target), (torch.roll(x, shifts=1, dims=0), target)]
+    return [(x, target), (torch.roll(x, shifts=1, dims=0), target), (torch.roll(x, shifts=2, dims=0), target)]
 
 
 def loss_fn(model: torch.nn.Module, batch: tuple) -> torch.Tensor:

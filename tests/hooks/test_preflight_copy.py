@@ -3,7 +3,7 @@
 With bf16 parameters and an fp32 main_grad the tolerance is 8 units of bf16 round-off, and the copy of G(A)
 (then G(A) + G(B)) is kept in bf16: half the bytes. Rounding G(A), then the sum, adds at most
 (sqrt(5) + rel_sum) units of bf16 round-off to |G(A,B) - G(A) - G(B)| / |(G(A), G(B))| (the proof is in
-preflight_check.py's docstring); these tests run every verdict with the rounded copy and with a full-precision
+docs/hooks.md); these tests run every verdict with the rounded copy and with a full-precision
 one (the old behaviour) and check that nothing but the bytes changes beyond that bound, including a bug
 confined to one expert's slice of a 64-expert grouped weight."""
 
@@ -14,10 +14,25 @@ import random
 
 import pytest
 import torch
-from emulators import DenseBlock, MainWeightsFSDP, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
+from emulators import DenseBlock, MainWeightsFSDP, MegatronFSDP, dense_batches
 
-from maingrad.hooks import preflight_check as preflight_module
-from maingrad.hooks.preflight_check import copy_dtype, preflight, unit_roundoff
+from maingrad.hooks.preflight import run as preflight_module
+from maingrad.hooks.preflight.measure import copy_dtype, unit_roundoff
+from maingrad.hooks.preflight.run import preflight
+
+
+def mse_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """The bf16 models' loss in fp32: a bf16 loss moves in steps of 2^-8 of itself, too coarse for the
+    finite differences of an 8-wide layer (they would be inconclusive, not wrong)."""
+    x, target = batch
+    return ((model(x).float() - target.float()) ** 2).mean()
+
+
+def mse_microbatch(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    loss = mse_loss(model, batch)
+    loss.backward()
+    return loss.detach()
+
 
 U = unit_roundoff(torch.bfloat16)
 

@@ -15,8 +15,8 @@ import torch
 from emulators import DenseBlock, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
 
 from maingrad.cli.main import main as cli_main
-from maingrad.hooks.preflight_check import preflight
-from maingrad.hooks.preflight_wrappers import choose
+from maingrad.hooks.preflight.run import preflight
+from maingrad.hooks.preflight.wrappers import choose
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ SCRIPT = """
 import sys, torch
 sys.path.insert(0, {emulators!r})
 from emulators import DenseBlock, MegatronFSDP, dense_batches, mse_loss, mse_microbatch
-from maingrad.hooks.preflight_check import preflight_from_env
+from maingrad.hooks.preflight.run import preflight_from_env
 
 torch.manual_seed(0)
 model = MegatronFSDP(DenseBlock(sys.argv[1]), sys.argv[2], unit_types=(), data_parallel_size=1)

@@ -6,7 +6,7 @@
 
 The script must call `maingrad.hooks.preflight_from_env(model, run_microbatch, batches, loss_fn=...)` once,
 after wrapping its model; this command runs it with MAINGRAD_PREFLIGHT=only, so the script stops right after
-the check (exit status 0 pass, 1 fail or error) and never trains. Registration imports nothing heavy.
+the check (exit status 0 pass, 1 fail or error, 3 inconclusive) and never trains. Registration imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "preflight",
         help="prove gradient accumulation on a training script's own model (or show a saved result)",
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--script", help="training script that calls maingrad.hooks.preflight_from_env()")
@@ -52,9 +52,9 @@ def _show(path: str) -> int:
     except (OSError, json.JSONDecodeError) as exc:
         print(f"maingrad preflight: cannot read {path}: {exc}", file=sys.stderr)
         return 2
-    from maingrad.hooks.preflight_check import _result_from_dict
+    from maingrad.hooks.preflight.result import result_from_dict
 
-    result = _result_from_dict(data)
+    result = result_from_dict(data)
     print(result.table())
     return 0 if result.ok else 1
 
@@ -65,7 +65,7 @@ def _script(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.script):
         print(f"maingrad preflight: no such script: {args.script}", file=sys.stderr)
         return 2
-    from maingrad.hooks import preflight_check as module
+    from maingrad.hooks.preflight import run as module
 
     script_args = list(args.args)
     if script_args[:1] == ["--"]:

@@ -64,6 +64,7 @@ class Adapter:
     """Plain modules (and torch DDP): `.grad` is what the optimizer reads; nothing to finish."""
 
     label = "plain"
+    kind = "plain"  # one of WRAPPERS: selects the wrapper-specific "likely" and "fix" lines
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model: Any = model  # duck-typed: the wrapper's own methods (zero_grad_buffer, ...) are called
@@ -150,6 +151,7 @@ class Fsdp2Adapter(Adapter):
     """torch FSDP2 (`fully_shard`): DTensor parameters; gradients are reduce-scattered inside backward."""
 
     label = "torch FSDP2"
+    kind = "fsdp2"
 
     @property
     def sharded(self) -> bool:
@@ -170,6 +172,7 @@ class MegatronDdpAdapter(Adapter):
     """Megatron DDP: the gradient lives in `param.main_grad` (a view of the contiguous grad buffer)."""
 
     label = "Megatron DDP"
+    kind = "megatron-ddp"
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
@@ -211,6 +214,7 @@ class MegatronFsdpAdapter(Adapter):
     writes them and installed with `install_optimized_model_weights()`, as after `optimizer.step()`."""
 
     label = "Megatron-FSDP"
+    kind = "megatron-fsdp"
 
     def _named(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         out = []
@@ -249,7 +253,7 @@ class MegatronFsdpAdapter(Adapter):
     def finish(self) -> None:
         self.model.finish_grad_sync()
 
-    def _installer(self) -> Callable[[], None] | None:
+    def _installer(self) -> Callable[[], object] | None:
         for obj in (self.model, getattr(self.model, "module", None)):
             install = getattr(obj, "install_optimized_model_weights", None)
             if callable(install):

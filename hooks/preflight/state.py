@@ -18,7 +18,7 @@ import copy
 import random
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,7 @@ def _megatron_trackers() -> list[RngPair]:
         return []
 
     def get() -> Any:
-        states = get_states()
+        states = cast(dict[Any, Any], get_states())
         return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in states.items()}
 
     def put(states: Any) -> None:

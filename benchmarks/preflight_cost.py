@@ -1,0 +1,103 @@
+"""Cost of maingrad.hooks.preflight on CPU, in training steps and in the gradients' bytes.
+
+    python3 benchmarks/preflight_cost.py [--rounds 5] [--json FILE]
+
+For models of the CPU population (tests/hooks/preflight_zoo.py: an MLP, the tied-embedding GPT, the MoE with
+an expert that gets no token) with 3 and 4 micro-batches, on the passing path (the correct model) and the
+failing path (one weight x2 inside its group, found by bisection): the counts preflight reports (forward+
+backward passes, loss forwards, bisection depth, host transfers) and, measured interleaved in this one run,
+preflight's wall time over one training step (zero, the forward+backward of every micro-batch, an SGD step),
+median of the rounds. Memory: preflight's copy of the gradients over the gradients' bytes (its other buffers,
+subsets of 4096 elements per parameter and run and one parameter's scratch, are reported separately).
+No target is asserted here; the GPU numbers are the lead's (benchmarks/gpu/preflight_cost.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "hooks"))
+
+from preflight_zoo import MODELS, microbatch, scale  # noqa: E402
+
+from maingrad.hooks.preflight.measure import SUBSET  # noqa: E402
+from maingrad.hooks.preflight.run import preflight  # noqa: E402
+
+
+def _step(model: torch.nn.Module, run, batches, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad(set_to_none=True)
+    for batch in batches:
+        run(model, batch)
+    opt.step()
+
+
+def measure(name: str, n: int, failing: bool, rounds: int) -> dict:
+    case = MODELS[name]
+    model = case.make()
+    if failing:
+        scale(2.0)(model, case.targets["one"])
+    run = microbatch(case.loss)
+    batches = case.batches(n)
+    # the step's optimizer works on a copy, so preflight always sees the same weights
+    twin = case.make()
+    opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+    ratios = []
+    result = None
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        _step(twin, run, batches, opt)
+        t1 = time.perf_counter()
+        result = preflight(model, run, batches, loss_fn=case.loss)
+        t2 = time.perf_counter()
+        ratios.append((t2 - t1) / (t1 - t0))
+    assert result is not None
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = len(list(model.parameters()))
+    return {
+        "model": name,
+        "microbatches": n,
+        "path": "fail" if failing else "pass",
+        "status": result.status,
+        "steps_wall_median": round(statistics.median(ratios), 2),
+        "passes": result.cost["microbatch_passes"],
+        "passes_in_steps": round(result.cost["microbatch_passes"] / n, 2),
+        "loss_forwards": result.cost["forward_passes"],
+        "fd_probes": result.cost["fd_probes"],
+        "bisection_depth": result.cost["bisection_depth"],
+        "host_syncs": result.cost["host_syncs"],
+        "copy_over_grads": round(result.cost["copy_bytes"] / grad_bytes, 3),
+        "subset_bytes_over_grads": round((n + 2) * params * SUBSET * 4 / grad_bytes, 3),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = [
+        measure(name, n, failing, args.rounds)
+        for name in ("mlp", "gpt-tied", "moe")
+        for n in (3, 4)
+        for failing in (False, True)
+    ]
+    keys = list(rows[0])
+    print(" ".join(f"{k:>14}" for k in keys))
+    for row in rows:
+        print(" ".join(f"{row[k]!s:>14}" for k in keys))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,473 @@
+"""The numbers preflight measures, kept on the device until one transfer: gradient copies and norms, the
+subsets the decomposition is fitted on, and the self-checking finite-difference estimate (`judge_levels`,
+pure arithmetic on the host).
+
+The estimate. Along a direction d (the reported gradient of a set of parameters, each parameter moved by
+`step` x the norm of its weights; or a random direction where the reported gradient is zero) the loss's
+central difference C(s) = (L(w + s d) - L(w - s d)) / 2 is compared with the predicted P(s) = <G, the move the
+forward computed with>. r(s) = C(s) / P(s) is the true-over-reported ratio at step s. Central differences
+have no second-order term; their third-order error shrinks 4x per halving of s while rounding noise grows 2x,
+so two adjacent steps that agree are in the linear region and above the noise: the estimate's error bar is
+|r(s) - r(s/2)| + noise / |P(s)| + noise / |P(s/2)|, with the loss's rounding noise measured (a central
+difference along a random perturbation of two units of round-off of every weight, minus its prediction).
+Where two steps disagree, the step halves (while the noise stays below the bar) or doubles (where the noise
+dominates); where no pair agrees the verdict is `inconclusive` with the reason, unless even the loose
+estimate is off by more than three error bars.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from maingrad.hooks.preflight.wrappers import Entry, normalize_name
+
+SUBSET = 4096  # elements per parameter kept for the decomposition G(seq) ~ sum c_k G(k) and the repeat
+FD_CHUNK = 1 << 24  # elements moved per step of a finite-difference perturbation (64 MiB of fp32 scratch)
+_DIGITS = re.compile(r"\d+")
+_TORCH: Any = torch  # torch's multi-tensor `_foreach_*` ops are not in its exported names
+
+
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """dst[k].copy_(src[k]) for every k, in a few multi-tensor launches."""
+    _TORCH._foreach_copy_(list(dst), list(src))
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
+    _TORCH._foreach_mul_(list(tensors), factor)
+
+
+def foreach_sub_(tensors: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> None:
+    _TORCH._foreach_sub_(list(tensors), list(other))
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the distance from 1 to the next representable number."""
+    if dtype.is_floating_point:
+        return float(torch.finfo(dtype).eps) / 2
+    return 0.0
+
+
+def copy_dtype(grad_dtype: torch.dtype, tolerance: float) -> torch.dtype:
+    """The dtype preflight keeps its copy of a gradient in: the narrowest of bf16 and fp32 (both with fp32's
+    exponent range, so nothing a finite fp32 norm allows overflows) whose unit round-off is at most 1/8 of the
+    linearity tolerance, else the gradient's own dtype. With the default tolerance (8 units of the least
+    precise of the gradient's and parameter's dtypes) an fp32 main_grad of bf16 parameters is kept in bf16."""
+    if not grad_dtype.is_floating_point:
+        return grad_dtype
+    for dtype in (torch.bfloat16, torch.float32):
+        if dtype.itemsize < grad_dtype.itemsize and 8 * unit_roundoff(dtype) <= tolerance:
+            return dtype
+    return grad_dtype
+
+
+def leaf_pattern(leaf: str) -> str:
+    return _DIGITS.sub("#", leaf)
+
+
+def fused_kinds(model: torch.nn.Module) -> dict[str, str]:
+    """normalized parameter name -> fused-wgrad kind, from maingrad.hooks discovery (empty on any failure)."""
+    try:
+        from maingrad.hooks.discovery import discover
+
+        specs = discover(model)
+    except Exception:  # noqa: BLE001 - discovery is an aid for grouping, never a reason to fail
+        return {}
+    path_of = {id(m): normalize_name(p) for p, m in model.named_modules()}
+    out: dict[str, str] = {}
+    for spec in specs:
+        for slot in spec.slots:
+            if not slot.wgrad:
+                continue
+            owner = path_of.get(id(slot.owner))
+            if owner is None:
+                continue
+            out[f"{owner}.{slot.name}" if owner else slot.name] = spec.kind
+    return out
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1)
+
+
+def norm(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t.float())
+
+
+def stack_to_host(values: list[torch.Tensor]) -> list[float]:
+    """One device->host transfer per device and dtype for a list of 0-dim tensors."""
+    out = [0.0] * len(values)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault((v.device, v.dtype), []).append(i)
+    for indexes in groups.values():
+        host = torch.stack([values[i].reshape(()) for i in indexes]).double().cpu().tolist()
+        for i, v in zip(indexes, host, strict=True):
+            out[i] = float(v)
+    return out
+
+
+class Dist:
+    """Data-parallel reductions of preflight's own numbers (identity in a single process)."""
+
+    def __init__(self, sharded: bool) -> None:
+        self.world = 1
+        self.sharded = sharded
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.world = torch.distributed.get_world_size()
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.detach().float().reshape(())
+        if self.world > 1:
+            loss = loss.clone()
+            torch.distributed.all_reduce(loss)
+            loss = loss / self.world
+        return loss
+
+    def sum_stats(self, values: torch.Tensor) -> torch.Tensor:
+        """Squared norms and inner products over shards add up; replicated gradients are already whole."""
+        if self.world > 1 and self.sharded:
+            values = values.clone()
+            torch.distributed.all_reduce(values)
+        return values
+
+
+class Stats:
+    """Device-side numbers per key and parameter, sent to the host in one transfer per device: the one
+    comparison at the end needs no per-parameter round trip."""
+
+    def __init__(self, n: int, dist: Dist) -> None:
+        self.n = n
+        self.dist = dist
+        self.chunks: list[tuple[str, list[int], torch.Tensor, bool]] = []
+
+    def add(self, key: str, indices: Sequence[int], values: torch.Tensor, *, shard_sum: bool = True) -> None:
+        """values[j] belongs to parameter indices[j]; shard_sum: add it up across data-parallel shards."""
+        if len(indices):
+            self.chunks.append((key, list(indices), values.detach().reshape(-1).float(), shard_sum))
+
+    def host(self, keys: Sequence[str] | None = None) -> dict[str, list[float | None]]:
+        """The numbers under `keys` (default: all), in one transfer per device; they leave the device side."""
+        out: dict[str, list[float | None]] = {}
+        by_device: dict[torch.device, list[tuple[str, list[int], torch.Tensor, bool]]] = {}
+        taken = [c for c in self.chunks if keys is None or c[0] in keys]
+        self.chunks = [c for c in self.chunks if not (keys is None or c[0] in keys)]
+        for chunk in taken:
+            out.setdefault(chunk[0], [None] * self.n)
+            by_device.setdefault(chunk[2].device, []).append(chunk)
+        for chunks in by_device.values():
+            summed = torch.cat([c[2] for c in chunks if c[3]] or [torch.zeros(0, device=chunks[0][2].device)])
+            summed = self.dist.sum_stats(summed)
+            whole = torch.cat([c[2] for c in chunks if not c[3]] or [torch.zeros(0, device=summed.device)])
+            values = torch.cat([summed, whole]).double().cpu().tolist()
+            pos = 0
+            for key, indices, _, _ in [c for c in chunks if c[3]] + [c for c in chunks if not c[3]]:
+                column = out[key]
+                for i in indices:
+                    column[i] = values[pos]
+                    pos += 1
+        return out
+
+
+class Subsets:
+    """Up to SUBSET evenly spaced elements of each parameter's gradient, as the rows of one matrix per device
+    and run: the decomposition G(A,B) ~ a G(A) + b G(B) and the repeat of A become a few batched reductions."""
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.rows: dict[torch.device, list[int]] = {}
+        for i, e in enumerate(entries):
+            self.rows.setdefault(e.opt_param.device, []).append(i)
+        self.row_of = {i: r for rows in self.rows.values() for r, i in enumerate(rows)}
+        self.names = [e.name for e in entries]
+        self.mats: dict[str, dict[torch.device, torch.Tensor]] = {}
+        self._picks: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._index: dict[tuple[torch.device, tuple[tuple[int, int], ...]], torch.Tensor] = {}
+
+    def pick(self, i: int, n: int) -> tuple[int, int, int]:
+        """(offset, stride, count) of parameter i's subset of its n gradient elements."""
+        key = (i, n)
+        if key not in self._picks:
+            stride = max(1, n // SUBSET)
+            offset = (sum(self.names[i].encode()) % stride) if stride > 1 else 0
+            self._picks[key] = (offset, stride, min(SUBSET, max(0, n - offset + stride - 1) // stride))
+        return self._picks[key]
+
+    def take(self, key: str, flats: list[torch.Tensor | None]) -> None:
+        """Every subset of this run into its row: one strided view per parameter, then one concatenation and
+        one indexed copy per device (the positions cached per set of present parameters)."""
+        mats = self.mats[key] = {}
+        for device, rows in self.rows.items():
+            mat = mats[device] = torch.zeros(len(rows), SUBSET, device=device)
+            picks: list[torch.Tensor] = []
+            spans: list[tuple[int, int]] = []
+            for i in rows:
+                f = flats[i]
+                if f is None:
+                    continue
+                offset, stride, count = self.pick(i, f.numel())
+                picks.append(f[offset : offset + stride * count : stride])
+                spans.append((self.row_of[i], count))
+            if picks:
+                values = torch.cat(picks).to(mat.dtype)
+                mat.view(-1).index_copy_(0, self.positions(device, tuple(spans)), values)
+
+    def positions(self, device: torch.device, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """Flat positions in a run's matrix of the (row, count) spans, in order."""
+        index = self._index.get((device, spans))
+        if index is None:
+            starts = torch.tensor([row * SUBSET for row, _ in spans], dtype=torch.long)
+            counts = torch.tensor([count for _, count in spans], dtype=torch.long)
+            first = torch.cumsum(counts, 0) - counts  # where each span starts in the concatenation
+            within = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
+            index = (torch.repeat_interleave(starts, counts) + within).to(device)
+            self._index[(device, spans)] = index
+        return index
+
+    def gram(self, stats: Stats, keys: Sequence[str], only: Sequence[int] | None = None) -> None:
+        """stats["keyA|keyB"] = <keyA row, keyB row> for every pair of `keys` (A before B, and A with itself),
+        for every parameter (or those in `only`): one batched matrix product per device."""
+        wanted = None if only is None else set(only)
+        for device, rows in self.rows.items():
+            select = rows if wanted is None else [i for i in rows if i in wanted]
+            if not select:
+                continue
+            index = torch.tensor([self.row_of[i] for i in select], device=device)
+            stack = torch.stack(
+                [self.mats[k][device].index_select(0, index) for k in keys], 1
+            )  # [P, K, SUBSET]
+            products = torch.bmm(stack, stack.transpose(1, 2))  # [P, K, K]
+            for a, ka in enumerate(keys):
+                for b in range(a, len(keys)):
+                    stats.add(f"{ka}|{keys[b]}", select, products[:, a, b])
+
+    def distance2(self, stats: Stats, name: str, k1: str, k2: str, only: Sequence[int]) -> None:
+        """stats[name] = |key1 row - key2 row|^2 (the repeat's difference, without cancellation)."""
+        wanted = set(only)
+        for device, rows in self.rows.items():
+            select = [i for i in rows if i in wanted]
+            if select:
+                index = torch.tensor([self.row_of[i] for i in select], device=device)
+                diff = self.mats[k1][device].index_select(0, index) - self.mats[k2][device].index_select(
+                    0, index
+                )
+                stats.add(name, select, (diff**2).sum(1))
+
+
+def copies(tensors: list[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None) -> list[torch.Tensor]:
+    """Copies of `tensors` (exact, or rounded to nearest in `dtypes`, one per tensor), as views of one buffer
+    per device and dtype (one allocation and one multi-tensor copy each, instead of one clone per tensor)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for j, t in enumerate(tensors):
+        kinds.setdefault((t.device, t.dtype if dtypes is None else dtypes[j]), []).append(j)
+    for (device, dtype), members in kinds.items():
+        like = [tensors[j] for j in members]
+        views = shaped(torch.empty(sum(t.numel() for t in like), dtype=dtype, device=device), like)
+        foreach_copy_(views, like)
+        for v, j in zip(views, members, strict=True):
+            out[j] = v
+    return cast(list[torch.Tensor], out)
+
+
+def shaped(buffer: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive pieces of a flat buffer, each viewed in the shape of the tensor it stands beside."""
+    pieces = buffer.split([t.numel() for t in like])
+    return [p.view(t.shape) for p, t in zip(pieces, like, strict=True)]
+
+
+def chunks(items: list[int], counts: list[int], limit: int) -> list[list[int]]:
+    """`items` in order, cut into runs whose counts add up to at most `limit` (an item over it alone)."""
+    out: list[list[int]] = []
+    total = 0
+    for item, n in zip(items, counts, strict=True):
+        if not out or total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += n
+    return out
+
+
+def some(tensors: Sequence[torch.Tensor | None], indexes: Sequence[int]) -> list[torch.Tensor]:
+    """The tensors at `indexes`, which the caller knows are present."""
+    return [cast(torch.Tensor, tensors[i]) for i in indexes]
+
+
+def floats(host: dict[str, list[float | None]]) -> dict[str, list[float]]:
+    """Host numbers whose every slot was filled (NaN marks a slot that was not)."""
+    return {k: [math.nan if v is None else v for v in column] for k, column in host.items()}
+
+
+def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 norms of many tensors in one multi-tensor launch (stacked)."""
+    if not tensors:
+        return torch.zeros(0)
+    norms: list[torch.Tensor]
+    try:
+        norms = list(_TORCH._foreach_norm(tensors, 2, dtype=torch.float32))
+    except (RuntimeError, TypeError):  # mixed devices/dtypes on an old torch
+        norms = [norm(t) for t in tensors]
+    device = norms[0].device
+    return torch.stack([n.to(device) for n in norms])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the check
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the self-checking estimate (host arithmetic on the probes' levels)
+# ---------------------------------------------------------------------------------------------------------
+STEP0 = 2.0**-10  # first relative step along the reported gradient (then 2^-11; then halving or doubling)
+STEP_MIN = 2.0**-22
+STEP_MAX = 2.0**-4
+ZERO_STEP0 = 2.0**-4  # first relative step along a random direction where the reported gradient is zero
+ZERO_STEP_MAX = 2.0**-2
+MAX_LEVELS = 7  # steps per probe at most
+E_MAX = 0.05  # a relative error bar at most this is a reliable estimate
+OFF = 0.2  # "consistently off": every step's ratio beyond 1 +- OFF (after its noise), on the same side
+Z_MOVE = 4.0  # a loss change of more than Z_MOVE x the noise "moves"
+
+
+@dataclass
+class Estimate:
+    """What the levels of one probe say: a finished estimate, or the next step to evaluate."""
+
+    next_step: float | None = None  # evaluate this step next (the estimate is not finished)
+    ratio: float | None = None  # true / reported (r); the probe's scale is 1 / r
+    error: float | None = None  # relative error bar of r
+    step: float | None = None  # the accepted step
+    pair: tuple[float, float] | None = None  # the two steps the estimate rests on (larger, smaller)
+    reliable: bool = False
+    off: bool = (
+        False  # no step agreed, but at every step the ratio is off 1 by more than OFF beyond the noise
+    )
+    moves: bool | None = None  # zero-gradient probes: the loss moves along the direction
+    reason: str = ""
+
+
+def _fmt_step(s: float) -> str:
+    return f"2^{math.log2(s):.0f}"
+
+
+def judge_levels(
+    levels: Sequence[tuple[float, float, float]], noise: float, zero: bool, floor: float = 0.0
+) -> Estimate:
+    """The estimate from (step, C, P) levels (central loss change, predicted change), `noise` the loss's
+    rounding noise; or the next step to try. Pure arithmetic: the run loop evaluates what it asks for.
+
+    Reliable: two adjacent steps agree within E_MAX counting the noise (|r_a - r_b| + noise / |P_a| +
+    noise / |P_b|), or three adjacent steps spanning a factor 4 agree within E_MAX among themselves (the
+    measured noise is an upper bound: a random move of every weight by two units of round-off changes the
+    rounding of far more of the forward than a probe's move does); `floor` (the loss's own round-off) bounds
+    every error bar from below."""
+    by_step = sorted(levels, key=lambda level: -level[0])
+    if zero:
+        return _judge_zero(by_step, noise)
+    valid = [(s, c / p, p) for s, c, p in by_step if p != 0.0 and math.isfinite(c) and math.isfinite(p)]
+    candidates: list[tuple[float, float, float, tuple[float, float]]] = []  # (rel. error, r, step, pair)
+    for (sa, ra, pa), (sb, rb, pb) in zip(valid, valid[1:], strict=False):
+        error = abs(ra - rb) + max(noise, floor) / abs(pa) + max(noise, floor) / abs(pb)
+        candidates.append((error / max(abs(rb), 1e-30), rb, sb, (sa, sb)))
+    best_pair = min(candidates) if candidates else None
+    for a, b, c in zip(valid, valid[1:], valid[2:], strict=False):
+        rs = sorted((a[1], b[1], c[1]))
+        quantum = floor / abs(a[2]) + floor / abs(b[2]) + floor / abs(c[2])
+        spread = (rs[2] - rs[0] + quantum) / max(abs(rs[1]), 1e-30)
+        if spread <= E_MAX and rs[0] > 0:
+            candidates.append((spread, rs[1], b[0], (a[0], b[0])))
+    best = min(candidates) if candidates else None
+    if best is not None and best[0] <= E_MAX:
+        return Estimate(ratio=best[1], error=best[0], step=best[2], pair=best[3], reliable=True)
+    smallest, largest = by_step[-1], by_step[0]
+    if len(by_step) < MAX_LEVELS:
+        small_noise = noise / abs(smallest[2]) if smallest[2] else math.inf
+        if 2 * small_noise <= 2 * E_MAX and smallest[0] / 2 >= STEP_MIN:
+            return Estimate(next_step=smallest[0] / 2)  # closer to the linear region
+        if largest[0] * 2 <= STEP_MAX:
+            return Estimate(next_step=largest[0] * 2)  # rounding dominates: a larger change of the loss
+    span = f"{_fmt_step(smallest[0])}..{_fmt_step(largest[0])}"
+    if len(valid) >= 3:
+        # Over steps spanning 4x and more, truncation shrinks 16x from the largest to the smallest: a correct
+        # gradient cannot be off by more than OFF at every one of them unless rounding noise is that large,
+        # which the noise term excludes.
+        bars = [max(noise, floor) / abs(p) for _, _, p in valid]  # r's error from the loss's noise
+        low = all(r + bar < 1 / (1 + OFF) for (_, r, _), bar in zip(valid, bars, strict=True))
+        high = all(r - bar > 1 + OFF for (_, r, _), bar in zip(valid, bars, strict=True))
+        if low or high:
+            rs = sorted(r for _, r, _ in valid)
+            mid = rs[len(rs) // 2]
+            return Estimate(
+                ratio=mid,
+                error=(rs[-1] - rs[0]) / max(abs(mid), 1e-30),
+                step=smallest[0],
+                pair=(valid[-2][0], valid[-1][0]),
+                off=True,
+                reason=(
+                    "no two steps agree, but at every step the loss changes "
+                    + ("less" if low else "more")
+                    + f" than the reported gradient predicts by more than {OFF:g} (true / reported by step: "
+                    + ", ".join(f"{r:.4g} at {_fmt_step(s)}" for s, r, _ in valid)
+                    + ")"
+                ),
+            )
+    if best_pair is None:
+        return Estimate(reason=f"the moves rounded to nothing or the loss was not finite at steps {span}")
+    rel, rb, sb, pair = best_pair
+    return Estimate(
+        ratio=rb,
+        error=rel,
+        step=sb,
+        pair=pair,
+        reason=(
+            f"no steps between {span} agree within the error bar {E_MAX:g} (true / reported by step: "
+            + ", ".join(f"{r:.4g} at {_fmt_step(s)}" for s, r, _ in valid)
+            + f"; loss noise {noise:.3g}): nonlinear at the larger steps, rounding noise at the smaller"
+        ),
+    )
+
+
+def _judge_zero(by_step: list[tuple[float, float, float]], noise: float) -> Estimate:
+    """A zero reported gradient: does the loss move along a direction in the parameters' subspace? It moves
+    when two steps change it in proportion to the step (a first-order change: same sign, ratio within 0.7-1.4
+    of the steps' ratio), the larger by more than Z_MOVE x the noise and the smaller by more than half that;
+    it does not when no step up to ZERO_STEP_MAX changes it by more than the noise."""
+    threshold = Z_MOVE * noise
+    for (sa, ca, _), (sb, cb, _) in zip(by_step, by_step[1:], strict=False):
+        if not (math.isfinite(ca) and math.isfinite(cb)) or cb == 0.0:
+            continue
+        if abs(ca) > threshold and abs(cb) > threshold / 2:
+            ratio = ca / (cb * sa / sb)
+            if 0.7 <= ratio <= 1.4:
+                return Estimate(
+                    ratio=math.inf, error=abs(ratio - 1), step=sb, pair=(sa, sb), reliable=True, moves=True
+                )
+    for a, b, c in zip(by_step, by_step[1:], by_step[2:], strict=False):
+        # three steps in proportion (each ratio within 0.7-1.4), the largest above the threshold: a line through
+        # zero that three measurements agree on, where two would each be too close to the noise
+        values = (a[1], b[1], c[1])
+        if not all(math.isfinite(v) and v != 0.0 for v in values) or abs(a[1]) <= threshold:
+            continue
+        ratios = (a[1] / (b[1] * a[0] / b[0]), b[1] / (c[1] * b[0] / c[0]))
+        if all(0.7 <= r <= 1.4 for r in ratios):
+            error = max(abs(r - 1) for r in ratios)
+            return Estimate(
+                ratio=math.inf, error=error, step=b[0], pair=(a[0], b[0]), reliable=True, moves=True
+            )
+    largest, smallest = by_step[0], by_step[-1]
+    if all(abs(c) <= noise for _, c, _ in by_step):
+        if largest[0] * 4 <= ZERO_STEP_MAX and len(by_step) < MAX_LEVELS:
+            return Estimate(next_step=largest[0] * 4)
+        return Estimate(moves=False, reliable=True, step=largest[0])
+    if len(by_step) < MAX_LEVELS:
+        if largest[0] * 2 <= ZERO_STEP_MAX and abs(largest[1]) <= threshold:
+            return Estimate(next_step=largest[0] * 2)  # a larger change above the noise
+        if abs(smallest[1]) / 2 > threshold / 2:
+            return Estimate(next_step=smallest[0] / 2)  # closer to the linear region
+    changes = ", ".join(f"{c:.3g} at {_fmt_step(s)}" for s, c, _ in by_step)
+    return Estimate(reason=f"the loss moves but not in proportion to the step ({changes}; noise {noise:.3g})")

@@ -1,0 +1,1070 @@
+"""`maingrad.hooks.preflight()`: prove, on the user's own model and wrapper, that every parameter's gradient is
+the sum of its micro-batches' gradients and equals the loss's derivative, before the long job.
+
+    result = maingrad.hooks.preflight(model, run_microbatch, batches, loss_fn=loss_fn)
+    print(result)          # table, worst first; result.ok, result.verdicts(), result.to_dict(), result.records()
+
+`run_microbatch(model, batch)` is the training code's own forward and backward of one micro-batch;
+`loss_fn(model, batch)` returns the same loss without backward (for the finite differences; without it they
+call run_microbatch and read its return value). `batches`: every micro-batch of one step (all are used; at
+least 3 distinct ones are needed to rule out periodic errors, fewer are run and named in a warning). The model
+must already be wrapped (Megatron-FSDP, Megatron DDP, torch FSDP2, or none); the gradients judged are the
+ones the optimizer would read after the wrapper's grad sync (`wrappers.py`).
+
+Runs (each from zeroed buffers, every micro-batch from the caller's random state):
+1. every micro-batch alone, in order ("singles" g_1 .. g_N): N backward passes;
+2. all of them accumulated in an order rotated by one against the singles (2, 3, .., N, 1): N passes. The
+   rotation puts every micro-batch at a different position and global backward count than in its single, so
+   no error tied to the position, to the backward count modulo any period, or to a stale previous step lines
+   up. G(sequence) must equal the sum of the singles within 8 units of round-off (`judge.py` names the
+   pattern where it does not); the buffer read right after each zeroing must be zero (`grad_stale`);
+3. only where a verdict failed: the first micro-batch again, to tell nondeterminism from a bug (1 pass).
+With one micro-batch the sequence is (A, A) against 2 G(A).
+
+Finite differences (`measure.py` for the estimate): on the first micro-batch's loss, along its reported
+gradient, per group (one per fused-wgrad kind and parent module type, one for plain autograd), central
+differences at two steps that must agree within the measured noise; a group whose factor differs from 1 by
+more than its error bar is bisected (one half evaluated, the other inferred from the parent by linearity of
+the derivative) down to the parameters responsible; parameters whose reported gradient is zero are probed
+along a random direction in their own subspace (bisected the same way where the loss moves). Cost: 2 loss
+forwards for the noise + 4 per group, + 2 per further step, + 4 per bisection split.
+
+Memory: one copy of the gradients (G(first), then the sum of the singles, minus G(sequence) in place) rounded
+to the narrowest of bf16 and fp32 whose unit round-off is at most 1/8 of the linearity tolerance; the subsets
+(4096 elements per parameter and run); while a probe moves its weights, a copy of them and fp32 scratch of one
+parameter. Nothing is left behind: weights restored bit for bit (and reinstalled through the wrapper, also on
+an error), buffers and random state put back, gradients zeroed through the wrapper (a plain module gets its own
+`.grad` tensors back), no hook registered, no optimizer touched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
+from typing import Any, cast
+
+import torch
+
+from maingrad.contracts.anomalies import PREFLIGHT_ANOMALIES
+from maingrad.hooks.preflight import judge
+from maingrad.hooks.preflight.measure import (
+    E_MAX,
+    STEP0,
+    Z_MOVE,
+    ZERO_STEP0,
+    Dist,
+    Estimate,
+    Stats,
+    Subsets,
+    copies,
+    copy_dtype,
+    flat,
+    foreach_copy_,
+    foreach_mul_,
+    foreach_sub_,
+    fused_kinds,
+    judge_levels,
+    leaf_pattern,
+    norm,
+    norms,
+    some,
+    unit_roundoff,
+)
+from maingrad.hooks.preflight.result import ParamResult, PreflightResult, Probe
+from maingrad.hooks.preflight.state import BufferState, RngPair, RngState
+from maingrad.hooks.preflight.wrappers import Adapter, Entry, choose
+
+RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
+LossFn = Callable[[torch.nn.Module, Any], Any]
+FD_GROUPS: tuple[str, ...] = ("mechanism", "module_type", "param")
+MAX_MICROBATCHES = 16  # taken from an iterator at most (a list must not be longer: say so, never cut it)
+MIN_DISTINCT = 3
+UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
+
+
+class _Node:
+    """A probe while it is being measured: its parameters, levels step -> (C, P), and bisection links."""
+
+    def __init__(self, probe: Probe, indexes: list[int], tol: float) -> None:
+        self.probe = probe
+        self.indexes = indexes
+        self.tol = tol
+        self.levels: dict[float, tuple[float, float]] = {}
+        self.parent: _Node | None = None
+        self.sibling: _Node | None = None
+        self.inferred: set[float] = set()  # steps whose levels are the parent's minus the sibling's
+
+    @property
+    def zero(self) -> bool:
+        return self.probe.zero_gradient
+
+
+class _Moves:
+    """How a probe moves its weights: along the (copied) reported gradient, each weight by `step` x its own
+    norm; along its weights plus a random part where the reported gradient is zero; or by two units of
+    round-off with random signs (the noise). Sizes come from one host transfer of the norms."""
+
+    def __init__(self, check: Check) -> None:
+        self.check = check
+        self.directions = list(check.copy)
+        n = len(self.directions)
+        present = [i for i, f in enumerate(self.directions) if f is not None]
+        values: list[float] = []
+        if present:
+            targets = [check.adapter.target(check.entries[i]) for i in present]
+            values = norms(some(self.directions, present) + targets).double().cpu().tolist()
+        check.syncs += 1
+        self.gnorm, self.tnorm = [0.0] * n, [0.0] * n
+        for j, i in enumerate(present):
+            self.gnorm[i], self.tnorm[i] = values[j], values[len(present) + j]
+        for i, f in enumerate(self.directions):
+            if f is None:
+                self.tnorm[i] = float(norm(check.adapter.target(check.entries[i])))
+        self.nonzero = [i for i in present if self.gnorm[i] > 0 and math.isfinite(self.gnorm[i])]
+
+    def size(self, i: int, t: torch.Tensor) -> float:
+        """|move| per unit step: the weights' norm (at least sqrt(numel) x 2^-7, for weights initialised to 0)."""
+        return max(self.tnorm[i], math.sqrt(t.numel()) * 2.0**-7)
+
+    def along(self, step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        def delta(i: int, t: torch.Tensor) -> torch.Tensor:
+            g = cast(torch.Tensor, self.directions[i])
+            return g.float().view(t.shape) * (step * self.size(i, t) / self.gnorm[i])
+
+        return delta
+
+    def random(self, step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """Zero reported gradient: along the weights themselves (radial: no dilution by sqrt(numel)) plus a
+        random +-1 part (a scale-invariant weight moves the loss only off the radial direction)."""
+
+        def delta(i: int, t: torch.Tensor) -> torch.Tensor:
+            gen = torch.Generator(device=t.device).manual_seed(1009 + i)
+            d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
+            d = d * (self.tnorm[i] / math.sqrt(max(t.numel(), 1)) / 2) + t.float()
+            return d * (step * self.size(i, t) / torch.linalg.vector_norm(d).clamp_min(1e-30))
+
+        return delta
+
+    def jitter(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator(device=t.device).manual_seed(7919 + i)
+        d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
+        u = unit_roundoff(self.check.adapter.compute_dtype(self.check.entries[i]))
+        return d * t.float().abs() * (2 * u)
+
+
+class Check:
+    """One preflight call: the runs, the finite differences and the bookkeeping of the wrapper's calls."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        run_microbatch: RunMicrobatch,
+        batches: list[Any],
+        *,
+        loss_fn: LossFn | None,
+        adapter: Adapter,
+        params: str | Sequence[str] | None,
+        finite_differences: bool,
+        fd_groups: str,
+        fd_step: float,
+        fd_rtol: float | None,
+        rtol: float | None,
+        rng_states: Sequence[RngPair],
+    ) -> None:
+        self.model = model
+        self.run_microbatch = run_microbatch
+        self.batches = batches
+        self.loss_fn = loss_fn
+        self.adapter = adapter
+        self.finite_differences = finite_differences
+        self.fd_groups = fd_groups
+        self.fd_step = fd_step
+        self.fd_rtol = fd_rtol
+        self.rtol = rtol
+        n = len(batches)
+        self.order = (
+            [*range(1, n), 0] if n > 1 else [0, 0]
+        )  # the sequence, rotated by one against the singles
+        entries = adapter.entries
+        if params is not None:
+            patterns = [params] if isinstance(params, str) else list(params)
+            entries = [e for e in entries if any(fnmatch.fnmatchcase(e.name, pat) for pat in patterns)]
+        self.entries: list[Entry] = entries
+        self.passes = 0
+        self.forwards = 0
+        self.syncs = 0
+        self.evaluations = 0
+        self.rounds = 0
+        self.timings: dict[str, float] = {}
+        self.dist = Dist(sharded=adapter.sharded)
+        kinds = fused_kinds(model)
+        self.results = [self._result(e, kinds.get(e.name)) for e in entries]
+        self.stats = Stats(len(entries), self.dist)
+        self.subsets = Subsets(entries)
+        self.present: dict[str, set[int]] = {}
+        self.copy: list[torch.Tensor | None] = [None] * len(entries)
+        self.copy_bytes = 0
+        self.copy_dtypes: set[str] = set()
+        self.first_loss: Any = None
+        self.probes: list[Probe] = []
+        self.noise = 0.0
+        self.rng = RngState(rng_states)
+        self.synced = False  # prepare() or commit() ran after the last change of the weights
+        self.zeroed = False  # zero() ran after the last backward
+        self.uninstalled = False  # weights moved or restored in place since the last commit()
+        self.invisible = False  # no probe's perturbation ever moved the loss (set by fd())
+        self.loss_level = 0.0
+        self.loss_unit = unit_roundoff(torch.float32)
+        self.zero_noise = 0.0
+        self.residuals: list[float] = []  # |C - r P| at the accepted steps of reliable estimates
+
+    def _result(self, e: Entry, kind: str | None) -> ParamResult:
+        module_type = f"{e.parent_type}/{e.owner_type}.{leaf_pattern(e.leaf)}"
+        mechanism = kind or "autograd"
+        if self.fd_groups == "param":
+            group = e.name
+        elif self.fd_groups == "module_type":
+            group = f"{mechanism}:{module_type}"
+        elif kind is not None:
+            group = f"{mechanism}:{e.parent_type}"
+        else:
+            group = "autograd"
+        return ParamResult(
+            name=e.name,
+            module=e.module,
+            leaf=e.leaf,
+            module_type=module_type,
+            mechanism_kind=mechanism,
+            group=group,
+            numel=int(e.opt_param.numel()),
+        )
+
+    def tolerance(self, i: int, grad_dtype: torch.dtype) -> float:
+        """Linearity tolerance of parameter i: 8 units of round-off of the least precise of the gradient's,
+        the compute and the optimizer parameter's dtypes (at least 4e-6), or the caller's rtol."""
+        e = self.entries[i]
+        u = max(
+            unit_roundoff(grad_dtype),
+            unit_roundoff(self.adapter.compute_dtype(e)),
+            unit_roundoff(e.opt_param.dtype),
+        )
+        return self.rtol if self.rtol is not None else max(8 * u, 4e-6)
+
+    def fd_tolerance(self, i: int) -> float:
+        """How far a reported gradient may differ from the loss's derivative beyond the estimate's error bar:
+        16 units of round-off of the compute dtype (the backward's own rounding), or the caller's fd_rtol."""
+        if self.fd_rtol is not None:
+            return self.fd_rtol
+        return 16 * unit_roundoff(self.adapter.compute_dtype(self.entries[i]))
+
+    # -- the wrapper's calls ----------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """The training loop's `start_param_sync()` after the weights changed (and before the first run)."""
+        if not self.synced:
+            self.adapter.prepare()
+            self.synced = True
+
+    def _commit(self) -> None:
+        """Install weights moved in place (and prepare them for the next forward)."""
+        self.adapter.commit()
+        self.synced, self.uninstalled = True, False
+
+    def _zero(self) -> None:
+        """Zero the gradient buffers through the wrapper, unless nothing ran backward since they were zeroed."""
+        if not self.zeroed:
+            self.adapter.zero()
+            self.zeroed = True
+
+    def _microbatch(self, batch: Any) -> Any:
+        self.rng.apply()
+        self.zeroed = False
+        loss = self.run_microbatch(self.model, batch)
+        self.passes += 1
+        return loss
+
+    def host(self, keys: Sequence[str] | None = None) -> dict[str, list[float | None]]:
+        self.syncs += 1
+        return self.stats.host(keys)
+
+    # -- runs -------------------------------------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for e in self.entries:
+            g = self.adapter.grad(e)
+            out.append(None if g is None else flat(g))
+        return out
+
+    def _run(self, key: str, which: Sequence[int]) -> list[torch.Tensor | None]:
+        """Zero; read what the optimizer would see right after zeroing (must be nothing); run the micro-batches
+        `which` from the saved random state each; finish the sync. Returns the wrapper's own flattened
+        gradients (never kept past the next run); their squared norms and subsets are recorded under `key`."""
+        self._prepare()
+        self._zero()
+        left = self._grads()
+        stale = [i for i, f in enumerate(left) if f is not None]
+        if stale:
+            self.stats.add("stale2", stale, norms(some(left, stale)) ** 2)
+            self.stats.add("stale_n", stale, torch.ones(len(stale)), shard_sum=False)
+        del left
+        for b in which:
+            loss = self._microbatch(self.batches[b])
+            if key == "s0" and self.loss_fn is None:
+                self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        self.adapter.finish()
+        flats = self._grads()
+        present = [i for i, f in enumerate(flats) if f is not None]
+        self.present[key] = set(present)
+        if present:
+            self.stats.add(f"n:{key}", present, norms(some(flats, present)) ** 2)
+        self.subsets.take(key, flats)
+        return flats
+
+    def first(self) -> None:
+        """The first micro-batch alone; its gradient is copied (rounded) for the finite differences' directions
+        and the sum of the singles, then the wrapper's own gradients are released."""
+        flats = self._run("s0", [0])
+        for i, f in enumerate(flats):
+            if f is not None:
+                self.results[i].dtype = str(f.dtype)
+        idx = [i for i, f in enumerate(flats) if f is not None]
+        live = some(flats, idx)
+        views = copies(
+            live, [copy_dtype(f.dtype, self.tolerance(i, f.dtype)) for i, f in zip(idx, live, strict=True)]
+        )
+        for i, view in zip(idx, views, strict=True):
+            self.copy[i] = view
+            self.copy_bytes += view.numel() * view.element_size()
+            self.copy_dtypes.add(str(view.dtype))
+        del flats, live
+        self._zero()  # releases the wrapper's own G (Megatron-FSDP, plain .grad) while the weights move
+
+    def singles(self) -> None:
+        """The other micro-batches alone, each added into the copy (the sum of the singles, rounded once)."""
+        for k in range(1, len(self.batches)):
+            flats = self._run(f"s{k}", [k])
+            for i in self.present[f"s{k}"]:
+                f = cast(torch.Tensor, flats[i])
+                c = self.copy[i]
+                if c is None:
+                    dtype = copy_dtype(f.dtype, self.tolerance(i, f.dtype))
+                    self.copy[i] = f.to(dtype, copy=True)
+                    self.copy_bytes += f.numel() * dtype.itemsize
+                    self.copy_dtypes.add(str(dtype))
+                else:
+                    c.add_(f)
+            del flats
+
+    def sequence(self) -> None:
+        """All micro-batches accumulated in the rotated order, subtracted from the sum of the singles in place."""
+        copy = self.copy
+        held = [i for i, c in enumerate(copy) if c is not None]
+        if len(self.batches) == 1 and held:
+            foreach_mul_(some(copy, held), 2.0)  # (A, A) against 2 G(A)
+        flats = self._run("seq", self.order)
+        both = [i for i in self.present["seq"] if copy[i] is not None]
+        if both:
+            cs = some(copy, both)
+            foreach_sub_(cs, some(flats, both))
+            self.stats.add("d2", both, norms(cs) ** 2)
+        only_seq = [i for i in self.present["seq"] if copy[i] is None]
+        if only_seq:
+            self.stats.add("d2", only_seq, norms(some(flats, only_seq)) ** 2)
+        gone = [i for i in held if i not in self.present["seq"]]
+        if gone:  # a gradient that vanished in the sequence counts as zero there
+            self.stats.add("d2", gone, norms(some(copy, gone)) ** 2)
+            self.stats.add("n:seq", gone, torch.zeros(len(gone)))
+            self.present["seq"].update(gone)
+        del flats
+        self.copy = [None] * len(copy)
+        keys = [f"s{k}" for k in range(len(self.batches))] + ["seq"]
+        self.subsets.gram(self.stats, keys)
+
+    def repeat(self, suspects: list[int]) -> dict[str, list[float | None]]:
+        """The first micro-batch again from zeroed buffers, compared with its first run on the subset."""
+        self._run("r", [0])
+        self.subsets.distance2(self.stats, "rep2", "r", "s0", suspects)
+        self.subsets.gram(self.stats, ["s0"], only=suspects)
+        return self.host()
+
+    # -- loss evaluations ---------------------------------------------------------------------------------------
+    def _loss(self, batch: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            self.rng.apply()
+            self.forwards += 1
+            with torch.no_grad():
+                loss = self.loss_fn(self.model, batch)
+        else:
+            self._prepare()
+            self._zero()
+            loss = self._microbatch(batch)
+            self.adapter.finish()
+        if loss is None:
+            raise ValueError(
+                "finite differences need the loss: pass loss_fn=, or return the loss from run_microbatch"
+            )
+        if not isinstance(loss, torch.Tensor):
+            loss = torch.tensor(float(loss))
+        self.loss_unit = max(self.loss_unit, unit_roundoff(loss.dtype))  # a bf16 loss is quantized to it
+        return self.dist.mean_loss(loss)
+
+    def _evaluate(
+        self,
+        indexes: Sequence[int],
+        delta: Callable[[int, torch.Tensor], torch.Tensor],
+        grads: list[torch.Tensor | None],
+        sign: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss of the first micro-batch with each weight i of `indexes` moved by sign x delta(i, weight), and
+        <G, the move as the forward computes with it (rounded to the compute dtype)>; the weights are restored
+        bit for bit before returning (installed by the next commit)."""
+        adapter = self.adapter
+        targets = [adapter.target(self.entries[i]) for i in indexes]
+        with torch.no_grad():
+            saved = copies(targets)
+        parts: list[torch.Tensor] = []
+        try:
+            self.synced, self.uninstalled = False, True  # the weights move from here on
+            with torch.no_grad():
+                for i, t, old in zip(indexes, targets, saved, strict=True):
+                    d = delta(i, t)
+                    t.add_(d, alpha=sign)
+                    del d
+                    g = grads[i]
+                    if g is None:
+                        continue
+                    cdt = adapter.compute_dtype(self.entries[i])
+                    if cdt == t.dtype:
+                        moved = t.float() - old.float()
+                    else:
+                        moved = t.to(cdt).float() - old.to(cdt).float()
+                    parts.append((moved.reshape(-1) * g.float()).sum(dtype=torch.float64))
+                    del moved
+            self._commit()
+            loss = self._loss(self.batches[0])
+            self.evaluations += 1
+        finally:
+            with torch.no_grad():
+                foreach_copy_(targets, saved)
+            self.synced, self.uninstalled = False, True  # restored, installed by the next commit
+        device = loss.device
+        pred = torch.stack([p.to(device) for p in parts]).sum() if parts else torch.zeros((), device=device)
+        return loss, pred.double()
+
+    # -- finite differences -------------------------------------------------------------------------------------
+    def fd(self) -> None:
+        """The probes: groups first, bisected where their estimate deviates, one host transfer per round."""
+        moves = _Moves(self)
+        groups: dict[tuple[str, bool], list[int]] = {}
+        for i, r in enumerate(self.results):
+            if not math.isfinite(moves.gnorm[i]):
+                continue  # a non-finite gradient has no direction to probe
+            groups.setdefault((r.group, not moves.gnorm[i] > 0.0), []).append(i)
+        roots: list[_Node] = []
+        for (key, zero), indexes in groups.items():
+            roots.append(self._node(key + (" (zero gradient)" if zero else ""), indexes, zero, 0))
+        requests: list[tuple[_Node, float]] = []
+        for node in roots:
+            s0 = ZERO_STEP0 if node.zero else max(self.fd_step, 4 * node.probe.unit)  # moves of >= 4 units
+            requests += [(node, s0), (node, s0 / 2)]
+        waiting: list[_Node] = []
+        first = True
+        while requests:
+            touched = self._round(moves, requests, first)
+            first = False
+            requests = []
+            for node in touched:
+                if node.zero:
+                    waiting.append(node)  # judged once the nonzero probes have measured the noise
+                    continue
+                requests += self._judge(node, self.noise)
+            if waiting and not any(not node.zero for node, _ in requests):
+                self.zero_noise = self._zero_noise()
+                for node in waiting:
+                    requests += self._judge(node, self.zero_noise)
+                waiting = []
+        self._check_visible(roots)
+
+    def _round(self, moves: _Moves, requests: list[tuple[_Node, float]], first: bool) -> list[_Node]:
+        """Evaluate every requested (probe, step) at +- the step (and, in the first round, the noise), install
+        the restored weights once, bring the numbers to the host in one transfer; the probes touched."""
+        pending: list[tuple[_Node, float, torch.Tensor, torch.Tensor]] = []
+        noise_parts: list[torch.Tensor] = []
+        if first and moves.nonzero:
+            plus, pp = self._evaluate(moves.nonzero, moves.jitter, moves.directions, 1.0)
+            minus, pm = self._evaluate(moves.nonzero, moves.jitter, moves.directions, -1.0)
+            noise_parts = [(plus - minus) / 2, (plus + minus) / 2, (pp - pm) / 2]
+        for node, step in requests:
+            if step in node.inferred:
+                continue
+            maker = moves.random(step) if node.zero else moves.along(step)
+            lp, pp = self._evaluate(node.indexes, maker, moves.directions, 1.0)
+            lm, pm = self._evaluate(node.indexes, maker, moves.directions, -1.0)
+            pending.append((node, step, (lp.double() - lm.double()) / 2, (pp - pm) / 2))
+        self._commit()  # the restored weights, installed once per round
+        self.rounds += 1
+        cs, ps = self._to_host(
+            [c for _, _, c, _ in pending] + noise_parts[:2], [p for _, _, _, p in pending] + noise_parts[2:]
+        )
+        if first and noise_parts:
+            c_j, l_mean, p_j = cs[len(pending)], cs[len(pending) + 1], ps[len(pending)]
+            self.loss_level = l_mean
+            self.noise = max(2 * abs(c_j - p_j), self._floor())
+        touched: list[_Node] = []
+        for j, (node, step, _, _) in enumerate(pending):
+            node.levels[step] = (cs[j], ps[j])
+            if node not in touched:
+                touched.append(node)
+        for node, _ in requests:
+            if node.inferred and node not in touched:
+                parent, sibling = cast(_Node, node.parent), cast(_Node, node.sibling)
+                for step in sorted(node.inferred):
+                    if step in parent.levels and step in sibling.levels:
+                        pc, pp_ = parent.levels[step]
+                        sc, sp = sibling.levels[step]
+                        node.levels[step] = (pc - sc, pp_ - sp)
+                node.inferred = set()
+                touched.append(node)
+        return touched
+
+    def _judge(self, node: _Node, noise: float) -> list[tuple[_Node, float]]:
+        levels = [(s, c, p) for s, (c, p) in node.levels.items()]
+        est = judge_levels(levels, noise, node.zero, self._floor())
+        node.probe.levels = sorted(levels, reverse=True)
+        node.probe.noise = noise
+        if est.next_step is not None:
+            return [(node, est.next_step)]
+        if not node.zero and est.reliable and est.ratio is not None and est.pair is not None:
+            r = est.ratio
+            self.residuals += [
+                abs(node.levels[s][0] - r * node.levels[s][1]) for s in est.pair if s in node.levels
+            ]
+        return self._finish(node, est)
+
+    def _floor(self) -> float:
+        """The loss's own round-off: 8 units of fp32, or 2 units of the loss's dtype where that is coarser
+        (a bf16 loss moves in steps of its unit: a central difference is off by up to one)."""
+        return max(8 * unit_roundoff(torch.float32), 2 * self.loss_unit) * abs(self.loss_level)
+
+    def _zero_noise(self) -> float:
+        """The noise zero-gradient probes are judged against: the jitter's, or what the reliable estimates
+        show (the largest residual of their accepted steps) where that is smaller; never below the loss's
+        own fp32 round-off."""
+        floor = self._floor()
+        if self.residuals:
+            return max(min(self.noise, 2 * max(self.residuals)), floor)
+        return max(self.noise, floor)
+
+    def _node(self, key: str, indexes: list[int], zero: bool, depth: int) -> _Node:
+        probe = Probe(key=key, names=[self.entries[i].name for i in indexes], zero_gradient=zero, depth=depth)
+        probe.unit = max(unit_roundoff(self.adapter.compute_dtype(self.entries[i])) for i in indexes)
+        probe.method = "central, random direction" if zero else "central, two steps"
+        self.probes.append(probe)
+        return _Node(probe, indexes, max(self.fd_tolerance(i) for i in indexes))
+
+    def _to_host(self, cs: list[torch.Tensor], ps: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+        """Loss changes (already averaged over ranks) and predictions (summed over shards): one transfer."""
+        self.syncs += 1
+        if not cs and not ps:
+            return [], []
+        device = (cs or ps)[0].device
+        c = (
+            torch.stack([x.to(device).double().reshape(()) for x in cs])
+            if cs
+            else torch.zeros(0, device=device)
+        )
+        p = (
+            torch.stack([x.to(device).double().reshape(()) for x in ps])
+            if ps
+            else torch.zeros(0, device=device)
+        )
+        p = self.dist.sum_stats(p)
+        values = torch.cat([c, p]).cpu().tolist()
+        return values[: len(cs)], values[len(cs) :]
+
+    def _finish(self, node: _Node, est: Estimate) -> list[tuple[_Node, float]]:
+        """The probe's verdict from its estimate, or its split into two halves (returned: their requests)."""
+        probe = node.probe
+        probe.error = est.error
+        probe.step = est.step
+        multi = len(node.indexes) > 1
+        if node.zero:
+            probe.scale = 0.0 if est.moves else None
+            if est.moves:
+                return self._split(node, est) if multi else self._set(node, "lost")
+            if est.moves is False:
+                return self._set(node, "unused")
+            probe.reason = est.reason
+            return self._set(node, "inconclusive")
+        if est.ratio is None:
+            probe.reason = est.reason
+            return self._set(node, "inconclusive")
+        r, err = est.ratio, cast(float, est.error)
+        probe.scale = 1 / r if r != 0 else math.inf
+        ltol = math.log1p(node.tol)
+        if not (r > 0 and math.isfinite(r)):
+            if est.reliable or est.off:
+                probe.reason = f"true / reported {r:.3g}: the reported gradient points the wrong way"
+                return self._split(node, est) if multi else self._set(node, "wrong")
+            probe.reason = est.reason
+            if multi and probe.depth < UNRELIABLE_SPLITS:
+                return self._split(node, est)
+            return self._set(node, "inconclusive")
+        dev = abs(math.log(r))
+        if est.reliable:
+            # exact blame: a group deviating by more than one error bar is bisected; a parameter alone is judged
+            # at three error bars plus the dtype's tolerance
+            if multi:
+                return self._set(node, "ok") if dev <= err + 1e-9 else self._split(node, est)
+            if dev <= ltol + 3 * err:
+                return self._set(node, "ok")
+        elif not est.off:  # never a verdict from an estimate that did not check itself
+            probe.reason = est.reason
+            if multi and probe.depth < UNRELIABLE_SPLITS:  # smaller parts may be linear at a larger step
+                return self._split(node, est)
+            return self._set(node, "inconclusive")
+        if multi:
+            return self._split(node, est)
+        scale = 1 / r
+        return self._set(node, "scaled" if 0 < scale <= 64 else "wrong")
+
+    def _set(self, node: _Node, verdict: str) -> list[tuple[_Node, float]]:
+        node.probe.verdict = verdict
+        return []
+
+    def _split(self, node: _Node, est: Estimate) -> list[tuple[_Node, float]]:
+        """Two halves: the first evaluated at the parent's two accepted steps, the second inferred from the
+        parent minus the first (the directional derivative is linear in the direction)."""
+        node.probe.verdict = "split"
+        half = len(node.indexes) // 2
+        key, depth, zero = node.probe.key, node.probe.depth + 1, node.zero
+        left = self._node(f"{key}[{depth}a]", node.indexes[:half], zero, depth)
+        right = self._node(f"{key}[{depth}b]", node.indexes[half:], zero, depth)
+        left.parent = right.parent = node
+        left.sibling, right.sibling = right, left
+        steps = est.pair or (cast(float, est.step) * 2, cast(float, est.step))
+        right.inferred = set(steps)
+        return [(left, steps[0]), (left, steps[1]), (right, steps[0])]
+
+    def _check_visible(self, roots: list[_Node]) -> None:
+        probed = [n for n in roots if not n.zero and n.levels]
+        threshold = Z_MOVE * max(self.noise, 1e-30)
+        self.invisible = bool(probed) and all(
+            all(abs(c) <= threshold and abs(p) > threshold for c, p in n.levels.values()) for n in probed
+        )
+
+    def apply_fd(self) -> None:
+        """Each parameter takes the verdict of the deepest finished probe that holds it."""
+        by_name = {e.name: i for i, e in enumerate(self.entries)}
+        kind = self.adapter.kind
+        for probe in self.probes:  # created parents first, so the deepest probe is the last to write
+            if probe.verdict in ("split", "not judged"):
+                continue
+            for name in probe.names:
+                r = self.results[by_name[name]]
+                r.fd_probe = probe.key if len(probe.names) > 1 else name
+                r.fd_scale = probe.scale
+                r.fd_error = probe.error
+                r.fd_step = probe.step
+                r.unused = probe.verdict == "unused"
+                r.inconclusive = probe.verdict == "inconclusive"
+                if r.inconclusive:
+                    r.notes = [f"finite differences: {probe.reason}"]
+        for probe in self.probes:
+            if probe.verdict in ("lost", "scaled", "wrong"):
+                for name in probe.names:
+                    judge.fd_verdict(self.results[by_name[name]], probe.verdict, probe.scale, kind)
+
+
+def preflight(
+    model: torch.nn.Module,
+    run_microbatch: RunMicrobatch,
+    batches: Iterable[Any],
+    *,
+    loss_fn: LossFn | None = None,
+    wrapper: str | Adapter = "auto",
+    params: str | Sequence[str] | None = None,
+    finite_differences: bool = True,
+    fd_groups: str = "mechanism",
+    fd_step: float = STEP0,
+    fd_rtol: float | None = None,
+    rtol: float | None = None,
+    max_microbatches: int = MAX_MICROBATCHES,
+    rng_states: Sequence[RngPair] = (),
+    sinks: Sequence[Any] = (),
+    run: str | None = None,
+    rank: int | None = None,
+    commit: str | None = None,
+    label: str | None = None,
+) -> PreflightResult:
+    """Check gradient accumulation and the gradient itself on `model` (already wrapped), with the training
+    code's own micro-batch.
+
+    run_microbatch(model, batch): forward + backward of one micro-batch, as in training.
+    batches: the micro-batches of one step, all of them used (a list longer than `max_microbatches` is an
+    error, an iterator is read up to it); at least 3 distinct ones rule out periodic errors (fewer: a warning).
+    loss_fn(model, batch): the loss without backward, for the finite differences (without it they call
+    run_microbatch and read its return value: one backward more per evaluation).
+    wrapper: "auto" (duck typing), "megatron-fsdp", "megatron-ddp", "fsdp2", "plain", or an Adapter.
+    params: fnmatch patterns over parameter names (wrapper prefixes `module.` removed) to judge; default all.
+    finite_differences: compare with the loss's derivative; fd_groups: "mechanism" (default), "module_type",
+    "param" (the starting groups; deviating groups are bisected anyway); fd_step: the first relative step;
+    fd_rtol: accepted factor 1 + fd_rtol beyond the error bar (default 16 units of the compute dtype's
+    round-off). rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state)
+    pairs to reset before every micro-batch. sinks, run, rank, commit: as for install(); label: a name.
+    Returns a PreflightResult; it never raises for what the model does (an exception from the micro-batch is
+    the result's `error`), only for bad arguments.
+    """
+    from maingrad.hooks.records import RunMeta
+    from maingrad.hooks.settings import resolve_commit, resolve_rank, resolve_run
+    from maingrad.hooks.sinks import make_sink
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"preflight() needs a torch.nn.Module, got {type(model).__name__}")
+    if not callable(run_microbatch):
+        raise TypeError("run_microbatch must be callable as run_microbatch(model, batch)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError("loss_fn must be callable as loss_fn(model, batch)")
+    if fd_groups not in FD_GROUPS:
+        raise ValueError(f"fd_groups must be one of {FD_GROUPS}, got {fd_groups!r}")
+    if not (0.0 < fd_step < 1.0):
+        raise ValueError("fd_step must be in (0, 1)")
+    if fd_rtol is not None and not (fd_rtol > 0.0):
+        raise ValueError("fd_rtol must be > 0")
+    if rtol is not None and not (rtol > 0.0):
+        raise ValueError("rtol must be > 0")
+    warnings: list[str] = []
+    if isinstance(batches, Sequence):
+        taken = list(batches)
+        if len(taken) > max_microbatches:
+            raise ValueError(
+                f"preflight got {len(taken)} micro-batches, more than max_microbatches={max_microbatches}: "
+                "pass fewer or raise max_microbatches (each costs three forward+backward passes)"
+            )
+    else:
+        taken = list(islice(iter(batches), max_microbatches))
+        if len(taken) == max_microbatches:
+            warnings.append(
+                f"took the first {max_microbatches} micro-batches of an iterator (max_microbatches); the "
+                "training step may have more"
+            )
+    if not taken:
+        raise ValueError("preflight needs at least one micro-batch in batches")
+    distinct = len({id(b) for b in taken})
+    if distinct < MIN_DISTINCT:
+        warnings.append(
+            f"only {distinct} distinct micro-batch{'es' if distinct != 1 else ''} given (at least "
+            f"{MIN_DISTINCT} needed): an error of period {distinct + 1} or more in the backward count, or one "
+            f"that only hits micro-batch {distinct + 1} and later, is not ruled out"
+        )
+    sink_objects = [make_sink(s) for s in sinks]
+    adapter = choose(model, wrapper)
+    check = Check(
+        model,
+        run_microbatch,
+        taken,
+        loss_fn=loss_fn,
+        adapter=adapter,
+        params=params,
+        finite_differences=finite_differences,
+        fd_groups=fd_groups,
+        fd_step=fd_step,
+        fd_rtol=fd_rtol,
+        rtol=rtol,
+        rng_states=rng_states,
+    )
+    result = _execute(check)
+    result.label = label
+    result.warnings = warnings + result.warnings
+    meta = RunMeta(run=resolve_run(run), rank=resolve_rank(rank), mode="check", commit=resolve_commit(commit))
+    if sink_objects:
+        records = result.records(run=meta.run, rank=meta.rank, commit=meta.commit)
+        for sink in sink_objects:
+            sink.open(meta)
+            try:
+                sink.emit(records)
+            finally:
+                sink.close()
+    return result
+
+
+def _execute(check: Check) -> PreflightResult:
+    adapter = check.adapter
+    started = time.perf_counter()
+    buffers = BufferState(check.model)
+    adapter.save_user_grads()
+    error = tb = None
+    tolerances: dict[str, Any] = {}
+    clock = started
+    timings = check.timings
+    check.invisible = False
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = timings.get(name, 0.0) + now - clock
+        clock = now
+
+    try:
+        check.first()
+        lap("runs")
+        if check.finite_differences:
+            check.fd()
+            lap("finite_differences")
+        check.singles()
+        check.sequence()
+        lap("runs")
+        tolerances = _classify(check)
+        suspects = [i for i, r in enumerate(check.results) if r.anomalies and r.finite]
+        if suspects:
+            _judge_repeat(check, suspects, check.repeat(suspects))
+            lap("runs")
+        lap("comparison")
+    except Exception as exc:  # noqa: BLE001 - the model's failure is the result, not a crash of the caller
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
+        tb = traceback.format_exc(limit=12)
+    finally:
+        check.copy = []
+        if check.uninstalled:  # interrupted between a restore and its install
+            try:
+                check._commit()
+            except Exception as exc:  # noqa: BLE001
+                error = error or f"reinstalling the weights failed: {type(exc).__name__}: {exc}"[:500]
+        try:
+            adapter.zero()
+        except Exception as exc:  # noqa: BLE001
+            error = error or f"zeroing the gradient buffers failed: {type(exc).__name__}: {exc}"[:500]
+        adapter.restore_user_grads()
+        buffers.restore()
+        check.rng.apply()
+    if error is None and check.invisible:
+        error = (
+            "the finite-difference perturbations never changed the loss although the reported gradients say "
+            f"they should: the forward does not compute with the tensors the {adapter.label} adapter perturbs "
+            "(a cached copy of the weights?); run with finite_differences=False or pass a wrapper= Adapter"
+        )
+        for r in check.results:
+            r.anomalies = [
+                a for a in r.anomalies if a not in ("grad_scaled", "grad_inconsistent", "grad_lost")
+            ]
+            r.inconclusive = r.unused = False
+    seconds = time.perf_counter() - started
+    failing = any(r.anomalies for r in check.results)
+    unsure = any(r.inconclusive for r in check.results)
+    status = "error" if error else ("fail" if failing else ("inconclusive" if unsure else "pass"))
+    depth = max((p.depth for p in check.probes), default=0)
+    cost = {
+        "seconds": seconds,
+        "microbatch_passes": check.passes,
+        "forward_passes": check.forwards,
+        "loss_evaluations": check.evaluations,
+        "fd_groups": sum(1 for p in check.probes if p.depth == 0),
+        "fd_probes": len(check.probes),
+        "fd_rounds": check.rounds,
+        "bisection_depth": depth,
+        "params": len(check.entries),
+        "microbatches": len(check.batches),
+        "host_syncs": check.syncs,
+        "copy_bytes": check.copy_bytes,
+        "seconds_by_part": {k: round(v, 4) for k, v in timings.items()},
+    }
+    return PreflightResult(
+        wrapper=adapter.label,
+        wrapper_kind=adapter.kind,
+        strategy=adapter.strategy,
+        status=status,
+        params=check.results if tolerances else [],
+        groups=check.probes,
+        cost=cost,
+        tolerances=tolerances,
+        error=error,
+        error_traceback=tb,
+        microbatches=len(check.batches),
+        sequence=list(check.order),
+        fixes=judge.fixes_for(adapter.kind),
+    )
+
+
+def _judge_repeat(check: Check, suspects: list[int], host: dict[str, list[float | None]]) -> None:
+    """Where a verdict failed: a repeat of the first micro-batch that differs from its first run by more than
+    half the tolerance makes the verdict nondeterminism (a stale buffer keeps its own verdict)."""
+    for i in suspects:
+        r = check.results[i]
+        rep2, sa2 = host.get("rep2", [None] * (i + 1))[i], host.get("s0|s0", [None] * (i + 1))[i]
+        if rep2 is None or sa2 is None:
+            continue
+        rep2, sa2 = max(rep2, 0.0), max(sa2, 0.0)
+        r.rel_repeat = math.sqrt(rep2 / sa2) if sa2 > 0 else (0.0 if rep2 == 0 else math.inf)
+        if r.rel_repeat > r.tolerance / 2 and "grad_stale" not in r.anomalies:
+            r.anomalies = ["grad_nondeterministic"]
+            r.notes = [
+                f"the first micro-batch repeated from the same state and random state differs by {r.rel_repeat:.3g}"
+            ]
+
+
+def _classify(check: Check) -> dict[str, Any]:
+    """The one comparison at the end: every device-side number goes to the host at once."""
+    host = check.host()
+    n = len(check.batches)
+    kind = check.adapter.kind
+    for e, r in zip(check.entries, check.results, strict=True):
+        flag = getattr(e.raw_param, "overwrite_main_grad", None)
+        r.overwrite_main_grad = flag if isinstance(flag, bool) else None
+        r.has_main_grad = hasattr(e.raw_param, "main_grad")
+        r.is_fsdp_param = hasattr(e.raw_param, "__fsdp_param__")
+    check.apply_fd()  # the notes read the flags
+    tol_used: list[float] = []
+
+    def get(key: str, i: int) -> float | None:
+        column = host.get(key)
+        return None if column is None else column[i]
+
+    singles = [f"s{k}" for k in range(n)]
+    for i, (e, r) in enumerate(zip(check.entries, check.results, strict=True)):
+        r.dtype = r.dtype or str(e.opt_param.dtype)
+        r.shape = list(e.opt_param.shape)
+        r.device = str(e.opt_param.device)
+        grad_dtype = getattr(torch, r.dtype.replace("torch.", ""), e.opt_param.dtype)
+        tol = check.tolerance(i, grad_dtype)
+        r.tolerance = tol
+        r.fd_tolerance = check.fd_tolerance(i)
+        norms2 = [get(f"n:{k}", i) for k in singles]
+        raw_values = [*norms2, get("n:seq", i), get("d2", i), get("stale2", i)]
+        r.finite = all(math.isfinite(x) for x in raw_values if x is not None)
+        if not r.finite:
+            r.anomalies = ["grad_not_finite"]
+            r.notes = ["NaN/Inf in the optimizer's gradient: a buffer nothing wrote, or an overflow"]
+            r.inconclusive = r.unused = False
+            continue
+        single2 = [max(x or 0.0, 0.0) for x in norms2]
+        seq2 = max(get("n:seq", i) or 0.0, 0.0)
+        d2 = max(get("d2", i) or 0.0, 0.0)
+        r.norm_a = math.sqrt(single2[0])
+        r.norm_b = math.sqrt(single2[1]) if n > 1 else None
+        tol_used.append(tol)
+        stale2 = max(get("stale2", i) or 0.0, 0.0)
+        scale_ref = math.sqrt(max(single2)) if max(single2) > 0 else 0.0
+        if stale2 > 0:
+            r.stale = math.sqrt(stale2) / scale_ref if scale_ref > 0 else math.inf
+            if r.stale > tol:
+                r.anomalies.append("grad_stale")
+                r.notes.append(
+                    "the buffer the optimizer reads is not zero right after the wrapper's zeroing: every step "
+                    "adds the earlier steps' gradients"
+                )
+        den = math.sqrt(sum(single2[b] for b in check.order))
+        if den > 0:
+            r.rel_sum = math.sqrt(d2) / den
+            if n == 1:
+                r.rel_twice = r.rel_sum
+            if r.rel_sum > tol and "grad_stale" not in r.anomalies:
+                gram = [[get(f"{singles[min(a, b)]}|{singles[max(a, b)]}", i) or 0.0 for b in range(n)]
+                        for a in range(n)]  # fmt: skip
+                rhs = [get(f"{s}|seq", i) or 0.0 for s in singles]
+                coeffs = judge.solve(gram, rhs)
+                by_position = None if coeffs is None else [coeffs[b] for b in check.order[: max(n, 1)]]
+                if n == 1 and coeffs is not None:
+                    by_position = [coeffs[0]]
+                expected = [2.0] if n == 1 else [1.0] * n
+                judge.accumulation_verdict(r, by_position, expected, math.sqrt(seq2), den, tol, kind)
+        elif seq2 > 0 and d2 > 0:
+            r.anomalies.append("grad_inconsistent")
+            r.notes.append("the sequence has a gradient where every micro-batch alone has none")
+        r.anomalies = sorted(dict.fromkeys(r.anomalies), key=PREFLIGHT_ANOMALIES.index)
+        if r.anomalies:
+            r.inconclusive = False
+    return {
+        "linearity": (
+            "8 x unit round-off of the least precise of gradient, compute and parameter dtypes (at least 4e-6)"
+            if check.rtol is None
+            else f"rtol={check.rtol}"
+        ),
+        "linearity_max": max(tol_used) if tol_used else None,
+        "fd": "central differences at two steps agreeing within the error bar "
+        f"(at most {E_MAX}); beyond the bar a factor may differ from 1 by "
+        + (
+            "16 x unit round-off of the compute dtype"
+            if check.fd_rtol is None
+            else f"fd_rtol={check.fd_rtol}"
+        ),
+        "fd_first_step": check.fd_step,
+        "fd_noise": check.noise,
+        "fd_zero_noise": check.zero_noise,
+        "repeat": "the first micro-batch is repeated only where a verdict failed",
+        "copy_dtypes": sorted(check.copy_dtypes),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the driver form for training scripts
+# ---------------------------------------------------------------------------------------------------------
+ENV = "MAINGRAD_PREFLIGHT"  # off (default) | warn | on | only
+ENV_JSON = "MAINGRAD_PREFLIGHT_JSON"  # write the result as JSON here ({rank} filled in)
+ENV_SINKS = "MAINGRAD_PREFLIGHT_SINKS"  # comma-separated sinks: jsonl:PATH, an http(s) URL, memory
+ENV_MODES: tuple[str, ...] = ("off", "warn", "on", "only")
+_CALLS = {"preflight_from_env": 0}
+
+
+class PreflightFailed(RuntimeError):
+    """Raised by preflight_from_env() in mode "on" when the check failed: the job stops before training."""
+
+    def __init__(self, result: PreflightResult) -> None:
+        super().__init__(result.table())
+        self.result = result
+
+
+def preflight_from_env(
+    model: torch.nn.Module,
+    run_microbatch: RunMicrobatch,
+    batches: Iterable[Any],
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> PreflightResult | None:
+    """One line in a training script, switched from the environment (`maingrad preflight --script` sets it):
+
+        maingrad.hooks.preflight_from_env(model, run_microbatch, batches, loss_fn=loss_fn)
+
+    MAINGRAD_PREFLIGHT: "off"/unset does nothing (returns None, batches untouched); "warn" runs the check and
+    prints the table on rank 0; "on" also raises PreflightFailed when it failed (not when only inconclusive);
+    "only" exits the process with status 0 (pass), 1 (fail/error) or 3 (inconclusive) right after, so the script never trains. MAINGRAD_PREFLIGHT_JSON writes
+    the result, MAINGRAD_PREFLIGHT_SINKS sends the records (with MAINGRAD_RUN / MAINGRAD_COMMIT /
+    MAINGRAD_PROJECT / MAINGRAD_TOKEN as for install()). Call it after wrapping the model, before the first
+    optimizer step.
+    """
+    import json
+    import os
+
+    env = dict(os.environ) if env is None else env
+    mode = (env.get(ENV) or "off").strip().lower()
+    if mode in ("", "0", "false", "no"):
+        mode = "off"
+    if mode in ("1", "true", "yes"):
+        mode = "on"
+    if mode not in ENV_MODES:
+        raise ValueError(f"{ENV}={env.get(ENV)!r}: use one of {ENV_MODES}")
+    if mode == "off":
+        return None
+    _CALLS["preflight_from_env"] += 1
+    sinks = [s.strip() for s in (env.get(ENV_SINKS) or "").split(",") if s.strip()]
+    result = preflight(model, run_microbatch, batches, sinks=[*kwargs.pop("sinks", ()), *sinks], **kwargs)
+    from maingrad.hooks.settings import resolve_rank
+
+    rank = resolve_rank(kwargs.get("rank"), env)
+    path = env.get(ENV_JSON)
+    if path:
+        path = path.replace("{rank}", str(rank))
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(result.to_dict(), handle, indent=1, default=str)
+    if rank == 0:
+        print(result.table(), file=sys.stderr, flush=True)
+        if result.error_traceback:
+            print(result.error_traceback, file=sys.stderr, flush=True)
+    if mode == "only":
+        raise SystemExit(0 if result.ok else (3 if result.status == "inconclusive" else 1))
+    if mode == "on" and result.failed:
+        raise PreflightFailed(result)
+    return result

@@ -1,0 +1,158 @@
+"""maingrad.hooks.preflight on a population (`preflight_zoo.py`): every correct model passes (0 false alarms),
+every injected bug is named on the right parameter with the right verdict and nothing else is blamed; plus the
+CPU reproductions of the misses reported against the earlier design (a x3 weight diluted by its group, a
+gradient dropped by an autograd.Function, a hook halving every second backward, 4 micro-batches cut to 2).
+
+The held-out models and bugs (`HELD_OUT_MODELS`, `HELD_OUT_BUGS`) run here too; they were not looked at while
+the steps and thresholds were chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from preflight_zoo import (
+    BUGS,
+    MLP,
+    MODELS,
+    applicable,
+    inject_bug,
+    microbatch,
+    mse,
+    param_of,
+    regression_batches,
+    scale,
+    wrap,
+)
+
+from maingrad.hooks.preflight.result import VERDICTS, PreflightResult
+from maingrad.hooks.preflight.run import preflight
+
+# bf16 forwards: a small factor on one weight of the GPT can stay within its group's error bar (a few percent
+# in bf16), so the group is not bisected; fp32 models must catch every one. For these cases the test asserts
+# only that nothing else is blamed (measured: not detected).
+_BF16_LIMITS = {("gpt-bf16", "x1.3"), ("gpt-bf16", "x0.5"), ("gpt-bf16", "x2-bias")}
+
+
+def _run(model_name: str, bug_name: str | None, n: int = 3) -> tuple[PreflightResult, torch.nn.Module]:
+    case = MODELS[model_name]
+    model = case.make()
+    wrapped = wrap(case, model)
+    if bug_name is not None:
+        inject_bug(BUGS[bug_name], case, model)
+    result = preflight(wrapped, microbatch(case.loss), case.batches(n), loss_fn=case.loss)
+    return result, model
+
+
+def _anomalies(result: PreflightResult) -> dict[str, list[str]]:
+    return {p.name: p.anomalies for p in result.params if p.anomalies}
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_correct_models_pass(model_name: str) -> None:
+    result, _ = _run(model_name, None)
+    assert result.status == "pass", result.table()
+    assert all(p.verdict in ("ok", "unused") for p in result.params)
+    assert all(p.verdict in VERDICTS for p in result.params)
+    if model_name.startswith("moe"):  # experts that get no token: probed, the loss does not move
+        unused = {p.name for p in result.params if p.verdict == "unused"}
+        assert {f"experts.3.w{k}.{leaf}" for k in (1, 2) for leaf in ("weight", "bias")} <= unused
+        assert all(name.startswith("experts.") for name in unused), result.table()
+        assert all(p.norm_a == 0 for p in result.params if p.name in unused)
+
+
+CASES = [(m, b) for m in MODELS for b in BUGS if applicable(MODELS[m], BUGS[b])]
+
+
+@pytest.mark.parametrize(("model_name", "bug_name"), CASES, ids=[f"{m}-{b}" for m, b in CASES])
+def test_injected_bug_is_named_on_its_parameter(model_name: str, bug_name: str) -> None:
+    result, model = _run(model_name, bug_name)
+    expected = BUGS[bug_name].expect(MODELS[model_name], model)
+    if (model_name, bug_name) in _BF16_LIMITS:
+        assert set(_anomalies(result)) <= set(expected), result.table()  # never a neighbour
+        return
+    assert _anomalies(result) == expected, result.table()
+    assert result.status == "fail"
+
+
+# -- the reported misses, reproduced on the CPU ---------------------------------------------------------------------
+class Wide(torch.nn.Module):
+    """Seven equal linears in one plain-autograd group: one x3 weight moves the group's factor to about 1.3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(12, 12) for _ in range(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + 0.3 * torch.tanh(layer(x))
+        return x
+
+
+def test_a_x3_weight_diluted_by_its_group_is_bisected_out() -> None:
+    torch.manual_seed(0)
+    model = Wide()
+    scale(3.0)(model, "layers.3.weight")
+    result = preflight(model, microbatch(mse), regression_batches(3), loss_fn=mse)
+    group = result.groups[0]
+    assert group.depth == 0 and group.verdict == "split" and group.scale is not None
+    assert 1.05 < group.scale < 2.0  # diluted by the 13 correct parameters of the group
+    assert _anomalies(result) == {"layers.3.weight": ["grad_scaled"]}, result.table()
+    bad = next(p for p in result.params if p.name == "layers.3.weight")
+    assert bad.fd_scale == pytest.approx(3.0, rel=0.02) and result.cost["bisection_depth"] >= 3
+
+
+def test_a_gradient_dropped_by_an_autograd_function_is_lost_not_unused() -> None:
+    result, _ = _run("mlp", "dropped")
+    p = next(p for p in result.params if p.name == "layers.1.weight")
+    assert p.anomalies == ["grad_lost"] and p.fd_scale == 0.0 and p.norm_a == 0.0
+    assert any(g.zero_gradient and g.verdict == "lost" for g in result.groups)
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_a_hook_halving_every_second_backward_is_caught_for_any_count(n: int) -> None:
+    result, _ = _run("mlp", "every-second-halved", n=n)
+    p = next(p for p in result.params if p.name == "layers.1.weight")
+    assert p.anomalies == ["grad_inconsistent"], result.table()
+    assert p.fit is not None and any(abs(c - 0.5) < 0.05 for c in p.fit)  # the halved positions
+
+
+def test_four_microbatches_are_all_run() -> None:
+    """A bug that only hits the third micro-batch of a step: all 4 given are run, so it shows."""
+    result, _ = _run("mlp", "third-lost", n=4)
+    assert result.microbatches == 4 and result.sequence == [1, 2, 3, 0]
+    assert result.cost["microbatch_passes"] == 2 * 4 + 1  # singles, the sequence, the repeat
+    assert _anomalies(result) == {"layers.1.weight": ["grad_inconsistent"]}, result.table()
+    assert not result.warnings
+
+
+def test_fewer_than_three_microbatches_are_named() -> None:
+    torch.manual_seed(0)
+    result = preflight(MLP(), microbatch(mse), regression_batches(2), loss_fn=mse)
+    assert result.ok and result.microbatches == 2
+    assert any("only 2 distinct micro-batches" in w for w in result.warnings)
+    assert "warning: only 2 distinct" in result.table()
+    with pytest.raises(ValueError, match="more than max_microbatches=3"):
+        preflight(MLP(), microbatch(mse), regression_batches(4), loss_fn=mse, max_microbatches=3)
+    taken = preflight(MLP(), microbatch(mse), iter(regression_batches(5)), loss_fn=mse, max_microbatches=4)
+    assert taken.microbatches == 4 and any(
+        "first 4 micro-batches of an iterator" in w for w in taken.warnings
+    )
+
+
+def test_x2_next_to_an_overwritten_weight_is_named_x2() -> None:
+    result, model = _run("mlp", "x2+overwritten-neighbour")
+    scaled = next(p for p in result.params if p.name == "layers.1.weight")
+    assert scaled.anomalies == ["grad_scaled"] and scaled.fd_scale == pytest.approx(2.0, rel=0.02)
+    overwritten = next(p for p in result.params if p.name == "layers.0.weight")
+    assert overwritten.anomalies == ["grad_overwritten"]
+    assert param_of(model, "layers.0.weight").grad is None  # nothing left behind
+
+
+def test_wrapper_specific_lines() -> None:
+    """The likely/fix lines are the found wrapper's: Megatron-FSDP's never appear under Megatron DDP."""
+    ddp, _ = _run("mlp-ddp", "stale")
+    plain, _ = _run("mlp", "overwrite")
+    for result in (ddp, plain):
+        assert "Megatron-FSDP" not in result.table() and "overwrite_main_grad is True" not in result.table()
+    assert ddp.wrapper_kind == "megatron-ddp" and "zero_grad_buffer()" in ddp.fix("grad_stale")
+    assert "replaces .grad" in plain.table()
