@@ -108,6 +108,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         limit=settings.max_concurrent_requests,
         retry_after_s=settings.retry_after_s,
         on_shed=lambda: app.state.metrics.inc("maingrad_requests_shed_total"),
+        per_key_limit=min(settings.max_concurrent_requests_per_project, settings.max_concurrent_requests),
+        body_timeout_s=settings.body_read_timeout_s,
+        limit_for=body_limits(settings),
     )
     app.include_router(health.router)
     app.include_router(api_router())
