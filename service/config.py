@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     # Gate answers kept per process, reused only while their inputs are unchanged (0: never reuse).
     gate_cache_size: int = Field(512, ge=0)
 
+    # What a commit needs before the gate decides when neither the call nor the project requires anything
+    # and the default branch has received nothing yet (else: what the default branch received last).
+    default_required_evidence: list[str] = Field(default_factory=list)
     gate_fail_severity: str = Field("error", pattern="^(info|warning|error)$")
     gate_fail_on_runtime_anomalies: bool = True
     # Lines within which a finding with the same rule, path and message counts as the same finding.

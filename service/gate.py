@@ -20,6 +20,7 @@ from maingrad.service.config import Settings
 from maingrad.service.matching import Item, Matching, match
 from maingrad.service.models import Alert, Analysis, Finding, Project, Record, Run
 from maingrad.service.parsing import LEVEL_RANK
+from maingrad.service.records import completions
 from maingrad.service.reports import analysis_dict
 
 SAMPLE_ANOMALIES = 20
@@ -212,11 +213,24 @@ def head_and_baseline(
 
 
 def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict[str, Any]:
+    """The commit's runs, records and anomalies, and which runs have not ended yet (`incomplete`): a run's
+    records are evidence only once each of its ranks has sent its end marker and none lost a record."""
     runs = list(_conn(session).execute(_RUNS_OF_COMMIT, {"p": project.id, "c": commit_sha}).all())
     if not runs:
-        return {"runs": [], "records": 0, "anomalies": 0, "samples": []}
+        return {"runs": [], "records": 0, "anomalies": 0, "samples": [], "incomplete": []}
     ids = [r.id for r in runs]
     names = {r.id: r.name for r in runs}
+    ended = completions(session, ids)
+    incomplete = [
+        {
+            "run": names[rid],
+            "ended_ranks": state["ended_ranks"],
+            "world_size": state["world_size"],
+            "lost": state["lost"],
+        }
+        for rid, state in sorted(ended.items(), key=lambda item: names[item[0]])
+        if not state["complete"]
+    ]
     count = sum(int(r.anomalies) for r in runs)
     samples = []
     if count:
@@ -237,19 +251,49 @@ def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict
         "records": int(sum(r.record_count for r in runs)),
         "anomalies": int(count),
         "samples": samples,
+        "incomplete": incomplete,
     }
 
 
 RUNTIME = "runtime"  # the evidence name of runtime records; every other name is an analysis category
 
 
+def runtime_complete(runtime: dict[str, Any]) -> bool:
+    return bool(runtime["runs"]) and not runtime["incomplete"]
+
+
 def evidence(
-    required: list[str] | tuple[str, ...], head: list[Any], runtime: dict[str, Any]
-) -> dict[str, list[str]]:
-    """Which required pieces of evidence the commit has, and which are still missing."""
-    present = sorted({a.category for a in head} | ({RUNTIME} if runtime["records"] > 0 else set()))
+    required: list[str] | tuple[str, ...], head: list[Any], runtime: dict[str, Any], source: str = "required"
+) -> dict[str, Any]:
+    """Which required pieces of evidence the commit has, and which are still missing (runtime records count
+    only once their runs have ended: see runtime_summary). `source` says where the requirement came from."""
+    present = sorted({a.category for a in head} | ({RUNTIME} if runtime_complete(runtime) else set()))
     wanted = sorted(set(required))
-    return {"required": wanted, "present": present, "missing": [e for e in wanted if e not in present]}
+    return {
+        "required": wanted,
+        "present": present,
+        "missing": [e for e in wanted if e not in present],
+        "source": source,
+    }
+
+
+_RUNS_OF = select(func.count()).where(Run.project_id == bindparam("p"), Run.commit_sha == bindparam("c"))
+
+
+def default_requirement(
+    session: Session, settings: Settings, project: Project, baseline: dict[str, Any], base: list[Any]
+) -> tuple[list[str], str]:
+    """With nothing required by the call or the project: what the default branch received last (its
+    latest commit analyzed before this one: its analysis categories, and `runtime` when it had runs), else
+    the configured default. Without it the first evidence to arrive decided, and a commit whose failing
+    report landed later had passed already."""
+    if baseline.get("how") == "default_branch" and baseline.get("commit_sha"):
+        wanted = {a.category for a in base}
+        runs = _conn(session).execute(_RUNS_OF, {"p": project.id, "c": baseline["commit_sha"]}).scalar_one()
+        if runs:
+            wanted.add(RUNTIME)
+        return sorted(wanted), "default_branch"
+    return sorted(set(settings.default_required_evidence)), "configured_default"
 
 
 def compute_gate(
@@ -264,8 +308,13 @@ def compute_gate(
     before anything is decided: while some is missing the status is `pending`, whatever has arrived."""
     head, baseline, base = head_and_baseline(session, project, commit_sha, base_sha)
     runtime = runtime_summary(session, project, commit_sha)
-    required = list(require) if require is not None else list(project.required_evidence or [])
-    proof = evidence(required, head, runtime)
+    if require is not None:
+        required, source = list(require), "request"
+    elif project.required_evidence:
+        required, source = list(project.required_evidence), "project"
+    else:
+        required, source = default_requirement(session, settings, project, baseline, base)
+    proof = evidence(required, head, runtime, source)
     policy = {
         "fail_on_severity": settings.gate_fail_severity,
         "fail_on_runtime_anomalies": settings.gate_fail_on_runtime_anomalies,
@@ -403,6 +452,17 @@ def _status(
     failed = [c["name"] for c in conditions if not c["passed"]]
     if failed:
         return "fail", "failed: " + ", ".join(failed)
+    if runtime["incomplete"]:
+        # Partial evidence is never a pass: the records still to come may hold the anomaly.
+        return "pending", "runtime records not complete: " + "; ".join(
+            f"run {r['run']!r}: "
+            + (
+                f"{r['lost']} records lost, so it cannot complete"
+                if r["lost"]
+                else f"{r['ended_ranks']} of {r['world_size'] or '?'} ranks ended"
+            )
+            for r in runtime["incomplete"]
+        )
     if not head:
         return "neutral", "only runtime records (no anomaly); no static analysis for this commit"
     if all(a.files_scanned == 0 and a.results_count == 0 for a in head):

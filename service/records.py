@@ -18,9 +18,9 @@ from maingrad.contracts import records as contract
 from maingrad.service import fastjson
 from maingrad.service.bodyschema import INT32_MAX, INT64_MAX, INT64_MIN, STEP_BOUND
 from maingrad.service.db import Database
-from maingrad.service.dialect import insert_for, note_commit, with_retries
+from maingrad.service.dialect import bump_revision, insert_for, note_commit, with_retries
 from maingrad.service.identifiers import COMMIT_RE
-from maingrad.service.models import Project, Record, Run, utcnow
+from maingrad.service.models import Project, Record, Run, RunEnd, utcnow
 from maingrad.service.parsing import without_nul
 from maingrad.service.problems import ProblemError
 
@@ -213,6 +213,73 @@ def ingest(
             }
 
     return with_retries(attempt)
+
+
+def end_run(
+    db: Database, project: Project, run_name: str, commit_param: str | None, marker: Any
+) -> dict[str, Any]:
+    """Store one rank's end marker (contracts.records.end_marker); a re-sent marker replaces the first.
+
+    The run is created when it has no record yet (a rank that made none still ends), bound to `commit_param`
+    like a records batch would bind it."""
+    problems = contract.validate_end_marker(marker)
+    if problems:
+        raise ProblemError(422, "invalid_end_marker", "; ".join(problems))
+    if "run" in marker and marker["run"] != run_name:
+        raise ProblemError(
+            422, "invalid_end_marker", f"marker belongs to run {marker['run']!r}, not {run_name!r}"
+        )
+
+    def attempt() -> dict[str, Any]:
+        with db.writing() as session:
+            run_id, run_commit = _get_or_create_run(session, project, run_name, commit_param)
+            values = {
+                "run_id": run_id,
+                "rank": marker["rank"],
+                "world_size": marker["world_size"],
+                "records": marker["records"],
+                "lost": marker["lost"],
+                "created_at": utcnow(),
+            }
+            stmt = insert_for(session, RunEnd)
+            session.execute(
+                stmt.values(**values).on_conflict_do_update(
+                    index_elements=["run_id", "rank"],
+                    set_={k: stmt.excluded[k] for k in ("world_size", "records", "lost", "created_at")},
+                )
+            )
+            bump_revision(session, project.id)
+            return {"run": run_name, "commit_sha": run_commit, **run_completion(session, run_id)}
+
+    return with_retries(attempt)
+
+
+_ENDS = select(RunEnd.run_id, RunEnd.rank, RunEnd.world_size, RunEnd.lost).where(
+    RunEnd.run_id.in_(bindparam("ids", expanding=True))
+)
+
+
+def completions(session: Session, run_ids: list[int]) -> dict[int, dict[str, Any]]:
+    """Per run: the ranks that ended, the world size they name, the records lost, and whether it is complete."""
+    out = {rid: {"ended_ranks": 0, "world_size": None, "lost": 0, "complete": False} for rid in run_ids}
+    if not run_ids:
+        return out
+    ranks: dict[int, set[int]] = {rid: set() for rid in run_ids}
+    for row in session.connection().execute(_ENDS, {"ids": run_ids}):
+        state = out[row.run_id]
+        ranks[row.run_id].add(row.rank)
+        state["world_size"] = max(state["world_size"] or 0, row.world_size)
+        state["lost"] += int(row.lost)
+    for rid, state in out.items():
+        state["ended_ranks"] = len(ranks[rid])
+        state["complete"] = bool(
+            state["world_size"] and state["ended_ranks"] >= state["world_size"] and state["lost"] == 0
+        )
+    return out
+
+
+def run_completion(session: Session, run_id: int) -> dict[str, Any]:
+    return completions(session, [run_id])[run_id]
 
 
 _SQLITE_CHUNK = 500  # 500 x 14 parameters stays below SQLite's 32,766-variable limit

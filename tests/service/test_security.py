@@ -30,6 +30,7 @@ REQUIRED = {
     ("GET", "/api/v1/projects/{project}/gate"): "read",
     ("GET", "/api/v1/projects/{project}/gate/sarif"): "read",
     ("POST", "/api/v1/projects/{project}/runs/{run}/records"): "upload",
+    ("POST", "/api/v1/projects/{project}/runs/{run}/end"): "upload",
     ("GET", "/api/v1/projects/{project}/runs"): "read",
     ("GET", "/api/v1/projects/{project}/runs/{run}"): "read",
     ("GET", "/api/v1/projects/{project}/runs/{run}/timeline"): "read",
@@ -106,6 +107,8 @@ class Target:
             kwargs["content"] = json.dumps(report()).encode()
         elif path.endswith("/records") and method == "POST":
             kwargs["content"] = ndjson([record("run-1", 99)])
+        elif path.endswith("/end") and method == "POST":
+            kwargs["json"] = {"rank": 0, "world_size": 1, "records": 1, "lost": 0}
         elif method == "PATCH" and "/alerts/" in path:
             kwargs["json"] = {"state": "dismissed", "reason": "false_positive"}
         elif method == "PATCH":
