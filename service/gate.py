@@ -438,6 +438,10 @@ def _status(
     failed_tools: list[Any],
     missing: list[str],
 ) -> tuple[str, str | None]:
+    anomalous = [c for c in conditions if c["name"] == "runtime_anomalies" and not c["passed"]]
+    if anomalous and (missing or runtime["incomplete"]):
+        # Records are never withdrawn: an anomaly that has arrived fails the commit whatever else arrives.
+        return "fail", "failed: runtime_anomalies (more evidence may still arrive; it cannot change this)"
     if missing:
         return "pending", "waiting for: " + ", ".join(
             "runtime records" if m == RUNTIME else f"analysis {m!r}" for m in missing
@@ -446,14 +450,9 @@ def _status(
         return "pending", "no analysis or runtime records for this commit yet"
     if base_sha and head and not base:
         return "pending", f"no analysis for the baseline commit {base_sha} yet"
-    if failed_tools:
-        names = ", ".join(sorted({a.tool_name for a in failed_tools}))
-        return "error", f"the tool run reported failure: {names}"
-    failed = [c["name"] for c in conditions if not c["passed"]]
-    if failed:
-        return "fail", "failed: " + ", ".join(failed)
     if runtime["incomplete"]:
-        # Partial evidence is never a pass: the records still to come may hold the anomaly.
+        # Partial evidence is never a pass (like missing evidence): the records still to come may hold
+        # an anomaly.
         return "pending", "runtime records not complete: " + "; ".join(
             f"run {r['run']!r}: "
             + (
@@ -463,6 +462,12 @@ def _status(
             )
             for r in runtime["incomplete"]
         )
+    if failed_tools:
+        names = ", ".join(sorted({a.tool_name for a in failed_tools}))
+        return "error", f"the tool run reported failure: {names}"
+    failed = [c["name"] for c in conditions if not c["passed"]]
+    if failed:
+        return "fail", "failed: " + ", ".join(failed)
     if not head:
         return "neutral", "only runtime records (no anomaly); no static analysis for this commit"
     if all(a.files_scanned == 0 and a.results_count == 0 for a in head):
