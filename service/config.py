@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     secret_file: str = "maingrad.secret"
     # A bootstrap admin token accepted on every project (compared through the same HMAC).
     admin_token: SecretStr | None = None
+    # Where a minted bootstrap admin token is written (mode 0600) when no admin credential exists.
+    bootstrap_token_file: str = "maingrad.admin-token"
 
     # Work per request is bounded before it is done (each cap answers 413/422 naming its limit); with the
     # defaults one request stays far below 512 MB of server memory (benchmarks/service.py --memory measures it).
