@@ -261,7 +261,9 @@ _ENDS = select(RunEnd.run_id, RunEnd.rank, RunEnd.world_size, RunEnd.lost).where
 
 def completions(session: Session, run_ids: list[int]) -> dict[int, dict[str, Any]]:
     """Per run: the ranks that ended, the world size they name, the records lost, and whether it is complete."""
-    out = {rid: {"ended_ranks": 0, "world_size": None, "lost": 0, "complete": False} for rid in run_ids}
+    out: dict[int, dict[str, Any]] = {
+        rid: {"ended_ranks": 0, "world_size": None, "lost": 0, "complete": False} for rid in run_ids
+    }
     if not run_ids:
         return out
     ranks: dict[int, set[int]] = {rid: set() for rid in run_ids}

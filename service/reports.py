@@ -183,7 +183,8 @@ def _discard(db: Database, analysis_id: int) -> None:
         while True:
             with db.writing() as session:
                 ids = select(Finding.id).where(Finding.analysis_id == analysis_id).limit(WRITE_CHUNK_ROWS)
-                done = session.execute(delete(Finding).where(Finding.id.in_(ids.scalar_subquery()))).rowcount
+                result = session.execute(delete(Finding).where(Finding.id.in_(ids.scalar_subquery())))
+                done = getattr(result, "rowcount", 0)  # a CursorResult: DELETE reports its row count
                 if not done:
                     session.execute(delete(Analysis).where(Analysis.id == analysis_id))
                     return
