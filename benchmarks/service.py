@@ -436,14 +436,15 @@ def _memory_cases() -> list[tuple[str, str, bytes, dict[str, str]]]:
     # Issue 25: N1 (an unclosed quote, then escapes and commas: 57 s of CPU in the old counter; "a", x 8.4 M:
     # +1,460 MB) and N2 (20 runs x 25,000 results: +1 GB, accepted before the per-report cap).
     quote = gzip.compress(b'"' + b'\\"' * 1000 + b"," * 2_000_001, 9)
-    strings = _gzip_parts([b'["a",'] + [b'"a",' * (1 << 20)] * 8 + [b'"a"]'])
+    strings = _gzip_parts([b'["a",'] + [b'"a",' * 100_000] * 79 + [b'"a"]'])  # 7.9 M: under the inflate cap
+    small = {"ruleId": "R", "message": {"text": "m"}}
     runs = {
         "version": "2.1.0",
-        "runs": [{**largest["runs"][0], "tool": {"driver": {"name": f"t{k}"}}} for k in range(20)],
+        "runs": [{"tool": {"driver": {"name": f"t{k}"}}, "results": [small] * 25_000} for k in range(20)],
     }
     return [
         ("N1 unclosed quote + escapes + 2M commas", "/reports?commit_sha=n1q", quote, gz),
-        ('N1 "a", x 8.4 M', "/reports?commit_sha=n1s", strings, gz),
+        ('N1 "a", x 7.9 M', "/reports?commit_sha=n1s", strings, gz),
         (
             "N2 20 runs x 25,000 results",
             "/reports?commit_sha=n2",

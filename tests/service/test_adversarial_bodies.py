@@ -52,6 +52,7 @@ class Target:
         self.pid = server.proc.pid
         self.worst_cpu = 0.0
         self.costs: list[tuple[float, int, str]] = []
+        self.codes: list[str] = []
 
     def post(self, raw: bytes, label: str) -> int:
         body = gzip.compress(raw, 6)
@@ -69,6 +70,7 @@ class Target:
         )
         cost = _cpu_s(self.pid) - before
         self.costs.append((cost, r.status_code, label))
+        self.codes.append(r.json().get("code", "") if r.status_code >= 400 else "")
         assert r.status_code < 500, (label, r.status_code, r.text[:300])
         assert cost <= CPU_PER_REQUEST_S, f"{label}: {cost:.2f} s of server CPU ({r.status_code})"
         return r.status_code
@@ -111,8 +113,10 @@ def test_n1_unclosed_quote_reproducer(target: Target) -> None:
 
 
 def test_n1_many_small_strings_reproducer(target: Target) -> None:
-    # 32 KB gzipped of "a", repeated 8.4 M times: +1,460 MB in the old counter.
-    assert target.post(b'["a",' + b'"a",' * 8_388_000 + b'"a"]', "n1-strings") == 413
+    # ~32 KB gzipped of "a", repeated (the audit's 8.4 M; here 7.9 M, so the text stays under the inflate cap
+    # and reaches the value counter): +1,460 MB in the old counter.
+    r = target.post(b'["a",' + b'"a",' * 7_900_000 + b'"a"]', "n1-strings")
+    assert r == 413 and target.codes[-1] == "too_many_json_values"
 
 
 def test_n2_results_count_across_runs(target: Target) -> None:
@@ -120,6 +124,7 @@ def test_n2_results_count_across_runs(target: Target) -> None:
     run = {"tool": {"driver": {"name": "t"}}, "results": [result] * 2_000}
     log = {"version": "2.1.0", "runs": [run] * 13}  # 26,000 results: each run is small, the report is not
     assert target.post(json.dumps(log).encode(), "n2-runs") == 413
+    assert target.codes[-1] == "too_many_results"
 
 
 _UNITS = st.sampled_from(

@@ -86,6 +86,24 @@ async def post_records(
     return result
 
 
+_COUNT = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+# contracts.records.end_marker, as validate_end_marker checks it (plus two rules a schema cannot state: the
+# rank is below world_size, and `run`, when given, is the run in the URL).
+_END_MARKER_SCHEMA = {
+    "type": "object",
+    "required": ["rank", "world_size", "records", "lost"],
+    "additionalProperties": False,
+    "properties": {
+        "schema": {"type": "integer", "enum": [1]},
+        "run": {"type": "string", "minLength": 1, "maxLength": 255},
+        "rank": _COUNT,
+        "world_size": {**_COUNT, "minimum": 1},
+        "records": _COUNT,
+        "lost": _COUNT,
+    },
+}
+
+
 @router.post(
     "/projects/{project}/runs/{run}/end",
     response_model=RunEnded,
@@ -94,7 +112,7 @@ async def post_records(
         "requestBody": {
             "required": True,
             "description": "`contracts.records.end_marker`: rank, world_size, records handed over, lost.",
-            "content": {"application/json": {"schema": {"type": "object"}}},
+            "content": {"application/json": {"schema": _END_MARKER_SCHEMA}},
         }
     },
     responses={
