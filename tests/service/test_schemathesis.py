@@ -100,7 +100,7 @@ def test_api_conforms_to_its_schema_with_all_checks(fresh_database_url: str, tmp
         )
         output = result.stdout + result.stderr
         assert result.returncode == 0, output[-15000:]
-        assert "Tested: 25" in output and "❌" not in output, output[-8000:]
+        assert "Tested: 26" in output and "❌" not in output, output[-8000:]
         assert "Errors:" not in output, output[-8000:]
         assert not server.proc or server.proc.poll() is None, server.log()[-3000:]
         assert "Traceback" not in server.log(), server.log()[-5000:]
