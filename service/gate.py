@@ -283,16 +283,16 @@ _RUNS_OF = select(func.count()).where(Run.project_id == bindparam("p"), Run.comm
 def default_requirement(
     session: Session, settings: Settings, project: Project, baseline: dict[str, Any], base: list[Any]
 ) -> tuple[list[str], str]:
-    """With nothing required by the call or the project: what the default branch received last (its
-    latest commit analyzed before this one: its analysis categories, and `runtime` when it had runs), else
-    the configured default. Without it the first evidence to arrive decided, and a commit whose failing
+    """With nothing required by the call or the project: what the baseline received — the default branch's
+    latest commit analyzed before this one, or the explicit `base_sha` — (its analysis categories, and `runtime`
+    when it had runs), else the configured default. Without it the first evidence to arrive decided, and a commit whose failing
     report landed later had passed already."""
-    if baseline.get("how") == "default_branch" and baseline.get("commit_sha"):
+    if baseline.get("how") in ("default_branch", "explicit") and baseline.get("commit_sha") and base:
         wanted = {a.category for a in base}
         runs = _conn(session).execute(_RUNS_OF, {"p": project.id, "c": baseline["commit_sha"]}).scalar_one()
         if runs:
             wanted.add(RUNTIME)
-        return sorted(wanted), "default_branch"
+        return sorted(wanted), "default_branch" if baseline["how"] == "default_branch" else "explicit_base"
     return sorted(set(settings.default_required_evidence)), "configured_default"
 
 

@@ -250,9 +250,10 @@ class GateEvidence(BaseModel):
     missing: list[str] = Field(
         description="Required evidence not there yet: the gate is `pending` meanwhile."
     )
-    source: Literal["request", "project", "default_branch", "configured_default"] = Field(
+    source: Literal["request", "project", "default_branch", "explicit_base", "configured_default"] = Field(
         description="Where `required` came from: the call's `require`, the project's `required_evidence`, "
-        "what the default branch received last, or the server's configured default."
+        "what the default branch received last, what the explicit `base_sha` received, or the server's "
+        "configured default."
     )
 
 

@@ -363,6 +363,10 @@ def test_n5_nothing_required_waits_for_what_main_received_last(client: Any) -> N
     gate = _gate(p, head)
     assert gate["status"] == "pending" and gate["evidence"]["missing"] == ["runtime"]
     assert gate["evidence"]["source"] == "default_branch"
+    explicit = p.client.get(
+        p.url("/gate"), params={"commit_sha": head, "base_sha": main}, headers=p.headers("read")
+    ).json()
+    assert explicit["status"] == "pending" and explicit["evidence"]["source"] == "explicit_base"
     _records(p, "h", head, [record("h", 0, commit=head)])
     _end(p, "h", head)
     assert _gate(p, head)["status"] == "pass"
