@@ -292,9 +292,9 @@ class HttpSink:
             return
         with self._lock:
             lost = self.dropped + self.failed + max(0, self.enqueued - self.sent - self.failed)
-            marker = records_contract.end_marker(
-                meta.run, meta.rank, records_contract.world_size_from_env(), self.sent, lost
-            )
+            # A rank given by hand without a launcher's WORLD_SIZE still names at least its own world.
+            world = max(records_contract.world_size_from_env(), meta.rank + 1)
+            marker = records_contract.end_marker(meta.run, meta.rank, world, self.sent, lost)
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
