@@ -259,7 +259,7 @@ def test_http_sink_posts_ndjson_batches(server) -> None:
         "schema": 1,
         "run": "r1",
         "rank": 3,
-        "world_size": 1,
+        "world_size": 4,
         "records": 64,
         "lost": 0,
     }
