@@ -206,11 +206,15 @@ def _finish_staged(
         return
     unique = _alert_rows(project, analysis, norm)
     keys = sorted(unique)
-    for start in range(0, max(len(keys), 1), WRITE_CHUNK_ROWS):
+    chunks = [keys[start : start + WRITE_CHUNK_ROWS] for start in range(0, len(keys), WRITE_CHUNK_ROWS)]
+    for chunk in [*chunks, None]:  # None: the last step, alerts no longer seen become fixed
         with db.writing() as session:
-            _upsert_alerts(session, [unique[k] for k in keys[start : start + WRITE_CHUNK_ROWS]])
-    with db.writing() as session:
-        _mark_fixed(session, project, analysis)
+            if not _still_current(session, staged):
+                break  # a newer upload of the key replaced it meanwhile: its alerts are that upload's
+            if chunk is None:
+                _mark_fixed(session, project, analysis)
+            else:
+                _upsert_alerts(session, [unique[k] for k in chunk])
     retired = body.get("replaced_id")
     if retired is not None:
         _discard(db, retired)
@@ -251,6 +255,13 @@ def _replay_in(
             422, "idempotency_key_reused", "this Idempotency-Key was already used for a different request"
         )
     return UploadOutcome(dict(row.response), row.status_code)
+
+
+def _still_current(session: Session, analysis_id: int) -> bool:
+    commit = session.execute(
+        select(Analysis.commit_sha).where(Analysis.id == analysis_id)
+    ).scalar_one_or_none()
+    return commit is not None and not commit.startswith(HIDDEN_PREFIX)
 
 
 def _new_analysis(
