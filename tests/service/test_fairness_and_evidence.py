@@ -467,6 +467,7 @@ def test_n6_gate_wait_is_bounded_against_a_one_byte_per_second_server(tmp_path: 
             cwd=tmp_path,
         )
         elapsed = time.monotonic() - started
+        print(f"\ngate --wait 5 against a 1 byte/s server: exit {out.returncode} after {elapsed:.1f} s")
         assert out.returncode != 0, out.stdout
         assert elapsed < 20, f"gate --wait 5 ran {elapsed:.1f} s"  # was 60 s and more
         started = time.monotonic()
@@ -488,6 +489,7 @@ def test_n7_retry_after_zero_is_clamped() -> None:
         with pytest.raises(ClientError) as caught:
             Client(server.url, token="mgp_x", timeout=3, connect_grace=3).gate("p", sha(1))
         assert caught.value.status == 503
+        print(f"\nRetry-After: 0 for 3 s: {server.requests} requests")
         # 646 requests in 1.5 s before: now at most one per MIN_RETRY_AFTER_S within the 3 s deadline.
         assert server.requests <= 3 / MIN_RETRY_AFTER_S + 1, server.requests
     finally:
