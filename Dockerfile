@@ -3,7 +3,9 @@
 #   docker run -p 8000:8000 -v maingrad-data:/data maingrad
 # PostgreSQL instead: -e MAINGRAD_DATABASE_URL=postgresql+psycopg://user:pass@host:5432/maingrad
 # (see docs/service.md). Set MAINGRAD_SECRET (token hashing key) and MAINGRAD_ADMIN_TOKEN in production.
-FROM python:3.12-slim
+# The base image is pinned by digest (a tag moves under you); re-resolve it when bumping with
+#   docker buildx imagetools inspect python:3.12-slim
+FROM python:3.12-slim@sha256:78387bc3881b8273120a12ebe6c1ab22b018ccc2c9adf565ae1ac9b536e184ea
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -11,13 +13,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /build
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY contracts ./contracts
 COPY analyzer ./analyzer
 COPY cli ./cli
 COPY hooks ./hooks
 COPY service ./service
-RUN pip install ".[service]" && rm -rf /build
+# The exact versions the test suite runs with (constraints.txt), not whatever is newest on the day of the build.
+RUN pip install -c constraints.txt ".[service]" && rm -rf /build
 
 RUN useradd --system --uid 10001 --user-group --home-dir /data --create-home maingrad
 USER maingrad

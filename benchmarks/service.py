@@ -359,6 +359,12 @@ def _peak_rss_mb(pid: int) -> float:
     raise RuntimeError("no VmHWM")
 
 
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process, in seconds (its own CPU, whatever else runs on the machine)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _gzip_parts(parts: Any) -> bytes:
     import zlib
 
@@ -427,7 +433,24 @@ def _memory_cases() -> list[tuple[str, str, bytes, dict[str, str]]]:
         + [b"a" * (1 << 20)] * 31
         + [b'"},"results":[]}]}']
     )
+    # Issue 25: N1 (an unclosed quote, then escapes and commas: 57 s of CPU in the old counter; "a", x 8.4 M:
+    # +1,460 MB) and N2 (20 runs x 25,000 results: +1 GB, accepted before the per-report cap).
+    quote = gzip.compress(b'"' + b'\\"' * 1000 + b"," * 2_000_001, 9)
+    strings = _gzip_parts([b'["a",'] + [b'"a",' * 100_000] * 79 + [b'"a"]'])  # 7.9 M: under the inflate cap
+    small = {"ruleId": "R", "message": {"text": "m"}}
+    runs = {
+        "version": "2.1.0",
+        "runs": [{"tool": {"driver": {"name": f"t{k}"}}, "results": [small] * 25_000} for k in range(20)],
+    }
     return [
+        ("N1 unclosed quote + escapes + 2M commas", "/reports?commit_sha=n1q", quote, gz),
+        ('N1 "a", x 7.9 M', "/reports?commit_sha=n1s", strings, gz),
+        (
+            "N2 20 runs x 25,000 results",
+            "/reports?commit_sha=n2",
+            gzip.compress(json.dumps(runs).encode()),
+            gz,
+        ),
         ("D1 gzip bomb (250 MiB of {})", "/reports?commit_sha=b4", bomb, gz),
         ("D1 one 120 MiB record line", "/runs/r/records", long_line, gz),
         (
@@ -455,7 +478,9 @@ def memory(url: str, workdir: Path) -> list[dict[str, Any]]:
             assert server.proc is not None
             base, _head = seed(server)  # a warm server: every code path imported and used once
             floor = _peak_rss_mb(server.proc.pid)
+            cpu = _cpu_s(server.proc.pid)
             r = httpx.post(base + suffix, content=body, headers={**HEADERS, **headers}, timeout=600)
+            cpu = _cpu_s(server.proc.pid) - cpu
             peak = _peak_rss_mb(server.proc.pid)
             out.append(
                 {
@@ -466,6 +491,7 @@ def memory(url: str, workdir: Path) -> list[dict[str, Any]]:
                     "floor_mb": floor,
                     "peak_mb": peak,
                     "peak_over_floor": peak / floor,
+                    "cpu_s": cpu,
                 }
             )
         finally:
@@ -551,13 +577,15 @@ def main() -> int:
                     _pg_drop(pg, schema)
     if args.memory:
         print("\nPeak server RSS per request (one worker; target < 512 MB)\n")
-        print("| backend | case | on the wire KiB | answer | floor MB | peak MB | peak / floor |")
-        print("|---|---|---:|---|---:|---:|---:|")
+        print(
+            "| backend | case | on the wire KiB | answer | floor MB | peak MB | peak / floor | server CPU s |"
+        )
+        print("|---|---|---:|---|---:|---:|---:|---:|")
         for res in results:
             for m in res["memory"]:
                 print(
                     f"| {res['backend']} | {m['case']} | {m['wire_kib']:,.0f} | {m['status']} {m['code']} | "
-                    f"{m['floor_mb']:.0f} | {m['peak_mb']:.0f} | {m['peak_over_floor']:.2f} |"
+                    f"{m['floor_mb']:.0f} | {m['peak_mb']:.0f} | {m['peak_over_floor']:.2f} | {m['cpu_s']:.2f} |"
                 )
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))

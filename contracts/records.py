@@ -242,3 +242,59 @@ def iter_jsonl(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
             yield json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"line {number}: not JSON ({exc.msg})") from exc
+
+
+# --- the end of a rank's records ---------------------------------------------------------------------------
+# Runtime evidence is complete only when the run says so: each rank's sink, once its last batch is acknowledged
+# (the hooks' `Handle.remove()`/final flush closes the sinks), POSTs one end marker as JSON to
+# `/api/v1/projects/{project}/runs/{run}/end`. The run is complete once every rank of `world_size` has ended
+# with no record lost; until then the gate answers `pending` for its commit.
+
+END_PATH = "end"
+END_FIELDS: tuple[str, ...] = ("schema", "run", "rank", "world_size", "records", "lost")
+
+
+def world_size_from_env(env: dict[str, str] | None = None) -> int:
+    """The number of ranks of this run as the launcher tells it (torchrun, SLURM, MPI); 1 when none does."""
+    import os
+
+    source = os.environ if env is None else env
+    for name in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        value = source.get(name, "")
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+    return 1
+
+
+def end_marker(run: str, rank: int, world_size: int, records: int, lost: int) -> dict[str, Any]:
+    """What one rank sends when it is done: how many records it handed over and how many never arrived
+    (dropped on a full queue, or failed after the retries)."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "run": run,
+        "rank": rank,
+        "world_size": world_size,
+        "records": records,
+        "lost": lost,
+    }
+
+
+def validate_end_marker(marker: Any) -> list[str]:
+    """Problems of an end marker (empty when valid)."""
+    if not isinstance(marker, dict):
+        return ["end marker is not an object"]
+    problems = []
+    extra = sorted(set(marker) - set(END_FIELDS))
+    if extra:
+        problems.append(f"unknown fields {extra}")
+    for name in ("rank", "world_size", "records", "lost"):
+        value = marker.get(name)
+        if type(value) is not int or not 0 <= value <= 2**31 - 1:
+            problems.append(f"{name} must be an integer from 0 to {2**31 - 1}")
+    if not problems and not 0 <= marker["rank"] < marker["world_size"]:
+        problems.append("rank must be below world_size")
+    if "schema" in marker and marker["schema"] != SCHEMA_VERSION:
+        problems.append(f"schema is {marker['schema']!r}, expected {SCHEMA_VERSION}")
+    if "run" in marker and (type(marker["run"]) is not str or not 0 < len(marker["run"]) <= 255):
+        problems.append("run must be a non-empty string of at most 255 characters")
+    return problems

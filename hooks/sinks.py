@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from maingrad.contracts import records as records_contract
 from maingrad.hooks.records import RunMeta
 
 
@@ -184,17 +185,19 @@ class HttpSink:
         self.retried = 0
         self.last_error: str | None = None
         self.last_status: int | None = None
+        self.ended = False
+        self._meta: RunMeta | None = None
+        self._end_endpoint = ""
 
     def open(self, meta: RunMeta) -> None:
         run = self.run or meta.run
         commit = self.commit if self.commit is not None else meta.commit
         quote = urllib.parse.quote
-        endpoint = (
-            f"{self.base}/api/v1/projects/{quote(self.project, safe='')}/runs/{quote(run, safe='')}/records"
-        )
-        if commit:
-            endpoint += "?" + urllib.parse.urlencode({"commit_sha": commit})
-        self.endpoint = endpoint
+        run_url = f"{self.base}/api/v1/projects/{quote(self.project, safe='')}/runs/{quote(run, safe='')}"
+        query = "?" + urllib.parse.urlencode({"commit_sha": commit}) if commit else ""
+        self.endpoint = f"{run_url}/records{query}"
+        self._end_endpoint = f"{run_url}/{records_contract.END_PATH}{query}"
+        self._meta = RunMeta(run=run, rank=meta.rank, mode=meta.mode, commit=commit)
         self._thread = threading.Thread(target=self._worker, name="maingrad-http-sink", daemon=True)
         self._thread.start()
 
@@ -278,6 +281,34 @@ class HttpSink:
         except queue.Full:
             return
         thread.join(self.close_timeout)
+        if not thread.is_alive():
+            self._send_end()
+
+    def _send_end(self) -> None:
+        """Tell the service this rank is done (contracts.records.end_marker): until every rank has, the gate
+        treats the run's records as partial evidence. Records still queued or lost are reported as lost."""
+        meta = self._meta
+        if meta is None or not self._end_endpoint:
+            return
+        with self._lock:
+            lost = self.dropped + self.failed + max(0, self.enqueued - self.sent - self.failed)
+            # A rank given by hand without a launcher's WORLD_SIZE still names at least its own world.
+            world = max(records_contract.world_size_from_env(), meta.rank + 1)
+            marker = records_contract.end_marker(meta.run, meta.rank, world, self.sent, lost)
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(
+            self._end_endpoint, data=json.dumps(marker).encode(), headers=headers, method="POST"
+        )
+        timeout = max(0.1, min(self.timeout, self._deadline - time.monotonic()))
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - user-given URL
+                response.read()
+            self.ended = True
+        except Exception as exc:  # noqa: BLE001 - never raise into training; the gate stays pending
+            with self._lock:
+                self.last_error = f"end marker: {type(exc).__name__}: {exc}"[:500]
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -291,6 +322,7 @@ class HttpSink:
             "retried": self.retried,
             "last_status": self.last_status,
             "last_error": self.last_error,
+            "ended": self.ended,
         }
 
 

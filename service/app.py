@@ -1,16 +1,18 @@
 """The FastAPI application: API v1, dashboard, health and metrics.
 
 `create_app()` reads settings from the environment; the lifespan migrates the database (an empty one gets
-the whole schema) and, when no admin credential exists at all, mints a bootstrap admin token and logs it
-once, so `maingrad serve` works with zero setup.
+the whole schema) and, when no admin credential exists at all, mints a bootstrap admin token and writes it
+to a file only its owner can read (the log says where, never the token), so `maingrad serve` works with zero setup.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
@@ -62,6 +64,17 @@ def bootstrap_admin(db: Database, settings: Settings) -> str | None:
         return secret
 
 
+def write_bootstrap_token(path: Path, secret: str) -> Path:
+    """Write the minted admin token to a file only its owner can read (replacing an older one)."""
+    path = path.resolve()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(secret + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def prepare_database(settings: Settings) -> Database:
     db = Database.from_settings(settings, server=True)
     migrate.upgrade(db.engine)
@@ -81,7 +94,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.db = db
         secret = bootstrap_admin(db, settings)
         if secret:
-            log.warning("bootstrap admin token (shown once; create projects with it): %s", secret)
+            path = write_bootstrap_token(Path(settings.bootstrap_token_file), secret)
+            # The token itself never goes to the log: logs are shipped, kept and read by many.
+            log.warning(
+                "bootstrap admin token written to %s (mode 0600; read it, create projects, then delete the file)",
+                path,
+            )
         try:
             yield
         finally:
@@ -108,6 +126,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         limit=settings.max_concurrent_requests,
         retry_after_s=settings.retry_after_s,
         on_shed=lambda: app.state.metrics.inc("maingrad_requests_shed_total"),
+        per_key_limit=min(settings.max_concurrent_requests_per_project, settings.max_concurrent_requests),
+        body_timeout_s=settings.body_read_timeout_s,
+        limit_for=body_limits(settings),
     )
     app.include_router(health.router)
     app.include_router(api_router())

@@ -1,15 +1,18 @@
 """A small HTTP client for the CLI (standard library only: `maingrad upload` stays cheap to import).
 
-Every call runs under a deadline that bounds the whole exchange, retries included: a hung server makes
-`maingrad gate --wait 5` return after about 5 s, not after three 60 s timeouts. Only what another attempt can
+Every call runs under one monotonic deadline that bounds the whole exchange, retries included, however slowly
+the server sends (`exchange`): a hung server, or one sending a byte a second, makes `maingrad gate --wait 5`
+return after about 5 s. Only what another attempt can
 fix is retried: no answer, 429, 502, 503 and 504 (honouring Retry-After within the deadline). A 4xx is the
 caller's mistake and a 500 a server bug: neither is retried, and the server's reason is reported once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -57,6 +60,78 @@ def _problem_message(status: int, problem: dict[str, Any], reason: str) -> str:
     return f"HTTP {status}{f' {code}' if code else ''}: {detail}{where}"
 
 
+# A server's Retry-After is obeyed within these bounds: `Retry-After: 0` made the CLI send 646 requests in 1.5 s
+# (and then overflow its backoff), a huge one would outlast any deadline anyway.
+MIN_RETRY_AFTER_S = 0.5
+MAX_RETRY_AFTER_S = 60.0
+
+
+def retry_after_s(value: str | None, default: float) -> float:
+    """Seconds to wait from a Retry-After header (delta-seconds form), clamped to a sane range; `default`
+    when absent or not a number (the HTTP-date form is not sent by the service)."""
+    try:
+        seconds = float(value) if value is not None else default
+    except ValueError:
+        seconds = default
+    if seconds != seconds:  # NaN
+        seconds = default
+    return min(max(seconds, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
+
+
+class HttpAnswer(Exception):
+    """A non-2xx answer, read in full before the deadline."""
+
+    def __init__(self, code: int, reason: str, headers: Any, body: bytes) -> None:
+        super().__init__(f"HTTP {code}")
+        self.code = code
+        self.reason = reason
+        self.headers = headers
+        self.body = body
+
+
+_MAX_ANSWER = 256 * 1024 * 1024
+
+
+def exchange(request: urllib.request.Request, seconds: float) -> tuple[int, bytes]:
+    """One request and its whole answer within `seconds` (monotonic), or TimeoutError.
+
+    urllib's timeout bounds each socket operation, not the exchange: a server sending one byte a second kept
+    `gate --wait 5` running for minutes. The exchange runs in a daemon thread that is abandoned (its socket
+    closed) when the deadline passes; the CLI is a short-lived process, so nothing waits for it."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    holder: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with urllib.request.urlopen(request, timeout=max(seconds, 0.05)) as response:  # noqa: S310
+                holder["response"] = response
+                box["answer"] = (response.status, response.read(_MAX_ANSWER))
+        except urllib.error.HTTPError as exc:
+            holder["response"] = exc
+            try:
+                raw = exc.read(_MAX_ANSWER)
+            except Exception:  # noqa: BLE001 - a broken error body: keep the status
+                raw = b""
+            box["error"] = HttpAnswer(exc.code, str(exc.reason), exc.headers, raw)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, name="maingrad-client", daemon=True)
+    thread.start()
+    if not done.wait(max(seconds, 0.0)):
+        response = holder.get("response")
+        if response is not None:
+            with contextlib.suppress(Exception):  # best effort: the thread is abandoned either way
+                response.close()
+        raise TimeoutError(f"no complete answer within {seconds:.1f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["answer"]
+
+
 @dataclass
 class Client:
     url: str
@@ -102,24 +177,22 @@ class Client:
             if remaining <= 0:
                 raise ClientError(0, f"no answer from {self.url} before the deadline")
             request = urllib.request.Request(full, data=body, method=method, headers=hdrs)
-            wait = min(0.25 * 2 ** (attempt - 1), 5.0)
+            wait = min(0.25 * 2 ** min(attempt - 1, 5), 5.0)
             try:
-                with urllib.request.urlopen(request, timeout=max(remaining, 0.05)) as response:
-                    return response.status, json.loads(response.read() or b"null")
-            except urllib.error.HTTPError as exc:
-                raw = exc.read()
+                status, raw_answer = exchange(request, remaining)
+                return status, json.loads(raw_answer or b"null")
+            except HttpAnswer as exc:
+                raw = exc.body
                 try:
                     problem = json.loads(raw)
                 except ValueError:
                     problem = {"detail": raw.decode("utf-8", "replace")[:500]}
                 if not isinstance(problem, dict):
                     problem = {"detail": str(problem)[:500]}
-                error = ClientError(exc.code, _problem_message(exc.code, problem, str(exc.reason)), problem)
+                error = ClientError(exc.code, _problem_message(exc.code, problem, exc.reason), problem)
                 if not error.retryable:
                     raise error from None
-                retry_after = exc.headers.get("Retry-After") if exc.headers else None
-                if retry_after and retry_after.isdigit():
-                    wait = float(retry_after)
+                wait = retry_after_s(exc.headers.get("Retry-After"), wait)
             except (TimeoutError, urllib.error.URLError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)
                 error = ClientError(0, f"no answer from {self.url}: {reason}")

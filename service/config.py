@@ -26,6 +26,8 @@ class Settings(BaseSettings):
     secret_file: str = "maingrad.secret"
     # A bootstrap admin token accepted on every project (compared through the same HMAC).
     admin_token: SecretStr | None = None
+    # Where a minted bootstrap admin token is written (mode 0600) when no admin credential exists.
+    bootstrap_token_file: str = "maingrad.admin-token"
 
     # Work per request is bounded before it is done (each cap answers 413/422 naming its limit); with the
     # defaults one request stays far below 512 MB of server memory (benchmarks/service.py --memory measures it).
@@ -35,6 +37,8 @@ class Settings(BaseSettings):
     max_json_values: int = Field(2_000_000, ge=1000)
     max_runs: int = Field(20, ge=1)
     max_results_per_run: int = Field(25_000, ge=1)
+    # Results of one report over all its runs (the per-run cap alone let 20 x 25,000 through).
+    max_results_per_report: int = Field(25_000, ge=1)
     # Per-field caps of what is stored (a SARIF message after template expansion counts as a message).
     max_message_chars: int = Field(8_192, ge=64)
     max_snippet_chars: int = Field(8_192, ge=64)
@@ -50,6 +54,9 @@ class Settings(BaseSettings):
     # Gate answers kept per process, reused only while their inputs are unchanged (0: never reuse).
     gate_cache_size: int = Field(512, ge=0)
 
+    # What a commit needs before the gate decides when neither the call nor the project requires anything
+    # and the default branch has received nothing yet (else: what the default branch received last).
+    default_required_evidence: list[str] = Field(default_factory=list)
     gate_fail_severity: str = Field(DEFAULT_FAIL_ON.value, pattern="^(info|warning|error)$")
     gate_fail_on_runtime_anomalies: bool = True
     # Lines within which a finding with the same rule, path and message counts as the same finding.
@@ -58,6 +65,11 @@ class Settings(BaseSettings):
     # Requests handled at once by one worker; past it the worker answers 503 with Retry-After at once
     # instead of queueing requests for seconds (health checks are always answered). 0: no limit.
     max_concurrent_requests: int = Field(32, ge=0)
+    # Of those, what one project (or one token outside projects) may hold, so another always finds room;
+    # the same number of its request bodies may be arriving at once (they do not count as in hand).
+    max_concurrent_requests_per_project: int = Field(24, ge=1)
+    # A request body must arrive whole within this many seconds of the request's start (408 otherwise).
+    body_read_timeout_s: float = Field(60.0, gt=0, le=3600)
     # Retry-After (seconds) on 503 answers: load shed, database unavailable.
     retry_after_s: int = Field(2, ge=1, le=3600)
     # PostgreSQL: give up connecting after this long (the answer is then a 503, not a hung request).

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
+from maingrad.service import fastjson
 from maingrad.service.config import Settings
 
 log = logging.getLogger("maingrad.service")
@@ -29,11 +30,21 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def _json_text(value: object) -> str:
+    return fastjson.dumps(value).decode("utf-8")
+
+
+# JSON columns (each finding's SARIF, an analysis's runs) through orjson: the standard library's encoder took a
+# fifth of a 25,000-result upload's CPU. Values reaching them are finite numbers and str keys already.
+_JSON = {"json_serializer": _json_text, "json_deserializer": fastjson.loads}
+
+
 def make_engine(settings: Settings, background_checkpoints: bool = False) -> Engine:
     url = normalize_url(settings.database_url)
     if url.startswith("sqlite"):
         engine = create_engine(
             url,
+            **_JSON,
             connect_args={"check_same_thread": False, "timeout": settings.sqlite_busy_timeout_ms / 1000},
             pool_size=settings.db_pool_size,
             max_overflow=40,
@@ -43,6 +54,7 @@ def make_engine(settings: Settings, background_checkpoints: bool = False) -> Eng
         return engine
     return create_engine(
         url,
+        **_JSON,
         # An unreachable server fails the request fast (503) instead of hanging it.
         connect_args={"connect_timeout": settings.db_connect_timeout_s},
         pool_size=settings.db_pool_size,

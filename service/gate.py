@@ -20,6 +20,7 @@ from maingrad.service.config import Settings
 from maingrad.service.matching import Item, Matching, match
 from maingrad.service.models import Alert, Analysis, Finding, Project, Record, Run
 from maingrad.service.parsing import LEVEL_RANK
+from maingrad.service.records import completions
 from maingrad.service.reports import analysis_dict
 
 SAMPLE_ANOMALIES = 20
@@ -110,10 +111,15 @@ _ANOMALY_SAMPLES = (
     .order_by(Record.step, Record.record_key)
     .limit(SAMPLE_ANOMALIES)
 )
+# Dismissed alerts among the head analyses' findings. The findings are named by their analyses (a handful of
+# ids), never by fingerprint: a list of every new fingerprint passed PostgreSQL's 65,535 bind parameters at
+# 22,000 results x 3 runs, and that commit never got a gate.
 _DISMISSED = select(Alert.fingerprint).where(
     Alert.project_id == bindparam("p"),
     Alert.state == "dismissed",
-    Alert.fingerprint.in_(bindparam("fps", expanding=True)),
+    Alert.fingerprint.in_(
+        select(Finding.fingerprint).where(Finding.analysis_id.in_(bindparam("ids", expanding=True)))
+    ),
 )
 _SEVERITY = {"info": LEVEL_RANK["note"], "warning": LEVEL_RANK["warning"], "error": LEVEL_RANK["error"]}
 
@@ -207,11 +213,24 @@ def head_and_baseline(
 
 
 def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict[str, Any]:
+    """The commit's runs, records and anomalies, and which runs have not ended yet (`incomplete`): a run's
+    records are evidence only once each of its ranks has sent its end marker and none lost a record."""
     runs = list(_conn(session).execute(_RUNS_OF_COMMIT, {"p": project.id, "c": commit_sha}).all())
     if not runs:
-        return {"runs": [], "records": 0, "anomalies": 0, "samples": []}
+        return {"runs": [], "records": 0, "anomalies": 0, "samples": [], "incomplete": []}
     ids = [r.id for r in runs]
     names = {r.id: r.name for r in runs}
+    ended = completions(session, ids)
+    incomplete = [
+        {
+            "run": names[rid],
+            "ended_ranks": state["ended_ranks"],
+            "world_size": state["world_size"],
+            "lost": state["lost"],
+        }
+        for rid, state in sorted(ended.items(), key=lambda item: names[item[0]])
+        if not state["complete"]
+    ]
     count = sum(int(r.anomalies) for r in runs)
     samples = []
     if count:
@@ -232,19 +251,49 @@ def runtime_summary(session: Session, project: Project, commit_sha: str) -> dict
         "records": int(sum(r.record_count for r in runs)),
         "anomalies": int(count),
         "samples": samples,
+        "incomplete": incomplete,
     }
 
 
 RUNTIME = "runtime"  # the evidence name of runtime records; every other name is an analysis category
 
 
+def runtime_complete(runtime: dict[str, Any]) -> bool:
+    return bool(runtime["runs"]) and not runtime["incomplete"]
+
+
 def evidence(
-    required: list[str] | tuple[str, ...], head: list[Any], runtime: dict[str, Any]
-) -> dict[str, list[str]]:
-    """Which required pieces of evidence the commit has, and which are still missing."""
-    present = sorted({a.category for a in head} | ({RUNTIME} if runtime["records"] > 0 else set()))
+    required: list[str] | tuple[str, ...], head: list[Any], runtime: dict[str, Any], source: str = "required"
+) -> dict[str, Any]:
+    """Which required pieces of evidence the commit has, and which are still missing (runtime records count
+    only once their runs have ended: see runtime_summary). `source` says where the requirement came from."""
+    present = sorted({a.category for a in head} | ({RUNTIME} if runtime_complete(runtime) else set()))
     wanted = sorted(set(required))
-    return {"required": wanted, "present": present, "missing": [e for e in wanted if e not in present]}
+    return {
+        "required": wanted,
+        "present": present,
+        "missing": [e for e in wanted if e not in present],
+        "source": source,
+    }
+
+
+_RUNS_OF = select(func.count()).where(Run.project_id == bindparam("p"), Run.commit_sha == bindparam("c"))
+
+
+def default_requirement(
+    session: Session, settings: Settings, project: Project, baseline: dict[str, Any], base: list[Any]
+) -> tuple[list[str], str]:
+    """With nothing required by the call or the project: what the baseline received — the default branch's
+    latest commit analyzed before this one, or the explicit `base_sha` — (its analysis categories, and `runtime`
+    when it had runs), else the configured default. Without it the first evidence to arrive decided, and a commit whose failing
+    report landed later had passed already."""
+    if baseline.get("how") in ("default_branch", "explicit") and baseline.get("commit_sha") and base:
+        wanted = {a.category for a in base}
+        runs = _conn(session).execute(_RUNS_OF, {"p": project.id, "c": baseline["commit_sha"]}).scalar_one()
+        if runs:
+            wanted.add(RUNTIME)
+        return sorted(wanted), "default_branch" if baseline["how"] == "default_branch" else "explicit_base"
+    return sorted(set(settings.default_required_evidence)), "configured_default"
 
 
 def compute_gate(
@@ -259,8 +308,13 @@ def compute_gate(
     before anything is decided: while some is missing the status is `pending`, whatever has arrived."""
     head, baseline, base = head_and_baseline(session, project, commit_sha, base_sha)
     runtime = runtime_summary(session, project, commit_sha)
-    required = list(require) if require is not None else list(project.required_evidence or [])
-    proof = evidence(required, head, runtime)
+    if require is not None:
+        required, source = list(require), "request"
+    elif project.required_evidence:
+        required, source = list(project.required_evidence), "project"
+    else:
+        required, source = default_requirement(session, settings, project, baseline, base)
+    proof = evidence(required, head, runtime, source)
     policy = {
         "fail_on_severity": settings.gate_fail_severity,
         "fail_on_runtime_anomalies": settings.gate_fail_on_runtime_anomalies,
@@ -284,9 +338,8 @@ def compute_gate(
     new_fps = {i.fingerprint for i in matching.new}
     dismissed_fps: set[str] = set()
     if new_fps:
-        dismissed_fps = set(
-            _conn(session).execute(_DISMISSED, {"p": project.id, "fps": sorted(new_fps)}).scalars()
-        )
+        found = _conn(session).execute(_DISMISSED, {"p": project.id, "ids": sorted(head_ids)}).scalars()
+        dismissed_fps = new_fps.intersection(found)
     new_sorted = sorted(matching.new, key=_sort_key)
     failing = [
         i
@@ -385,6 +438,10 @@ def _status(
     failed_tools: list[Any],
     missing: list[str],
 ) -> tuple[str, str | None]:
+    anomalous = [c for c in conditions if c["name"] == "runtime_anomalies" and not c["passed"]]
+    if anomalous and (missing or runtime["incomplete"]):
+        # Records are never withdrawn: an anomaly that has arrived fails the commit whatever else arrives.
+        return "fail", "failed: runtime_anomalies (more evidence may still arrive; it cannot change this)"
     if missing:
         return "pending", "waiting for: " + ", ".join(
             "runtime records" if m == RUNTIME else f"analysis {m!r}" for m in missing
@@ -393,6 +450,18 @@ def _status(
         return "pending", "no analysis or runtime records for this commit yet"
     if base_sha and head and not base:
         return "pending", f"no analysis for the baseline commit {base_sha} yet"
+    if runtime["incomplete"]:
+        # Partial evidence is never a pass (like missing evidence): the records still to come may hold
+        # an anomaly.
+        return "pending", "runtime records not complete: " + "; ".join(
+            f"run {r['run']!r}: "
+            + (
+                f"{r['lost']} records lost, so it cannot complete"
+                if r["lost"]
+                else f"{r['ended_ranks']} of {r['world_size'] or '?'} ranks ended"
+            )
+            for r in runtime["incomplete"]
+        )
     if failed_tools:
         names = ", ".join(sorted({a.tool_name for a in failed_tools}))
         return "error", f"the tool run reported failure: {names}"

@@ -69,63 +69,89 @@ def _describe(value: Any) -> str:
     return "an object"
 
 
+Path = tuple[Any, Any] | None  # (parent path, key): the pointer is spelled out only for the error
+
+
+def pointer_of(path: Path) -> str:
+    keys: list[Any] = []
+    while path is not None:
+        path, key = path
+        keys.append(key)
+    return "".join("/" + pointer_token(k) for k in reversed(keys))
+
+
 def validate(value: Any, schema: dict[str, Any], pointer: str = "") -> None:
     """Raise BodyInvalid at the first violation (depth-first, in document order)."""
+    try:
+        _validate(value, schema, None)
+    except _Invalid as exc:
+        raise BodyInvalid(pointer + pointer_of(exc.path), exc.message) from None
+
+
+class _Invalid(Exception):
+    def __init__(self, path: Path, message: str) -> None:
+        self.path = path
+        self.message = message
+
+
+def _validate(value: Any, schema: dict[str, Any], path: Path) -> None:
+    # Pointers are built only for the error: spelling one out for each of a 25,000-result report's
+    # 400,000 values took a third of the validation's time.
     expected = schema.get("type")
     if expected is not None:
         names = expected if isinstance(expected, list) else [expected]
         if not any(_is_type(value, n) for n in names):
-            raise BodyInvalid(pointer, f"must be {' or '.join(names)}, not {_describe(value)}")
+            raise _Invalid(path, f"must be {' or '.join(names)}, not {_describe(value)}")
     if "const" in schema and not _same(value, schema["const"]):
-        raise BodyInvalid(pointer, f"must be {schema['const']!r}")
+        raise _Invalid(path, f"must be {schema['const']!r}")
     if "enum" in schema and not any(_same(value, v) for v in schema["enum"]):
-        raise BodyInvalid(pointer, f"must be one of {schema['enum']}")
+        raise _Invalid(path, f"must be one of {schema['enum']}")
     check = _BY_KIND.get(type(value))
     if check is not None:
-        check(value, schema, pointer)
+        check(value, schema, path)
 
 
-def _number(value: float, schema: dict[str, Any], pointer: str) -> None:
+def _number(value: float, schema: dict[str, Any], path: Path) -> None:
     if "minimum" in schema and value < schema["minimum"]:
-        raise BodyInvalid(pointer, f"must be >= {schema['minimum']}")
+        raise _Invalid(path, f"must be >= {schema['minimum']}")
     if "maximum" in schema and value > schema["maximum"]:
-        raise BodyInvalid(pointer, f"must be <= {schema['maximum']}")
+        raise _Invalid(path, f"must be <= {schema['maximum']}")
 
 
-def _string(value: str, schema: dict[str, Any], pointer: str) -> None:
+def _string(value: str, schema: dict[str, Any], path: Path) -> None:
     if "maxLength" in schema and len(value) > schema["maxLength"]:
-        raise BodyInvalid(pointer, f"longer than {schema['maxLength']} characters")
+        raise _Invalid(path, f"longer than {schema['maxLength']} characters")
     if "minLength" in schema and len(value) < schema["minLength"]:
-        raise BodyInvalid(pointer, f"shorter than {schema['minLength']} characters")
+        raise _Invalid(path, f"shorter than {schema['minLength']} characters")
     if "pattern" in schema and not _compiled(schema["pattern"]).search(value):
-        raise BodyInvalid(pointer, f"does not match {schema['pattern']}")
+        raise _Invalid(path, f"does not match {schema['pattern']}")
 
 
-def _array(value: list[Any], schema: dict[str, Any], pointer: str) -> None:
+def _array(value: list[Any], schema: dict[str, Any], path: Path) -> None:
     if "maxItems" in schema and len(value) > schema["maxItems"]:
-        raise BodyInvalid(pointer, f"more than {schema['maxItems']} items")
+        raise _Invalid(path, f"more than {schema['maxItems']} items")
     if "minItems" in schema and len(value) < schema["minItems"]:
-        raise BodyInvalid(pointer, f"fewer than {schema['minItems']} items")
+        raise _Invalid(path, f"fewer than {schema['minItems']} items")
     items = schema.get("items")
     if items is not None:
         for i, item in enumerate(value):
-            validate(item, items, f"{pointer}/{i}")
+            _validate(item, items, (path, i))
 
 
-def _object(value: dict[str, Any], schema: dict[str, Any], pointer: str) -> None:
+def _object(value: dict[str, Any], schema: dict[str, Any], path: Path) -> None:
     for name in schema.get("required", ()):
         if name not in value:
-            raise BodyInvalid(pointer, f"missing required property {name!r}")
+            raise _Invalid(path, f"missing required property {name!r}")
     props = schema.get("properties", {})
     extra = schema.get("additionalProperties", True)
     for key, item in value.items():
         sub = props.get(key)
         if sub is not None:
-            validate(item, sub, f"{pointer}/{pointer_token(key)}")
+            _validate(item, sub, (path, key))
         elif extra is False:
-            raise BodyInvalid(f"{pointer}/{pointer_token(key)}", "is not an allowed property")
+            raise _Invalid((path, key), "is not an allowed property")
         elif isinstance(extra, dict):
-            validate(item, extra, f"{pointer}/{pointer_token(key)}")
+            _validate(item, extra, (path, key))
 
 
 _BY_KIND: dict[type, Any] = {int: _number, float: _number, str: _string, list: _array, dict: _object}

@@ -253,6 +253,22 @@ class Run(Base):
     record_count: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+class RunEnd(Base):
+    """One rank's end marker (contracts.records.end_marker): the rank handed over `records` records and lost
+    `lost` of them. A run is complete once `world_size` ranks have ended and none lost a record."""
+
+    __tablename__ = "run_ends"
+    __table_args__ = (UniqueConstraint("run_id", "rank", name="uq_run_ends_rank"), AUTOINC)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    records: Mapped[int] = mapped_column(BigInteger)
+    lost: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class Record(Base):
     """One runtime record: indexed columns for aggregation plus the raw JSON line as received.
 

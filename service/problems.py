@@ -156,30 +156,26 @@ def install(app: FastAPI) -> None:
 
     retry_after = str(getattr(getattr(app.state, "settings", None), "retry_after_s", 2))
 
-    async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
-        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
-        return problem_response(
-            503,
-            "database_unavailable",
-            "the database is unavailable; retry later",
-            instance=request.url.path,
-            headers={"Retry-After": retry_after},
-        )
+    async def _database(request: Request, exc: Exception) -> JSONResponse:
+        status, code, detail = classify_database_error(exc)
+        if status == 503:
+            log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+            headers = {"Retry-After": retry_after}
+        else:
+            log.error("database error on %s %s", request.method, request.url.path, exc_info=exc)
+            headers = None
+        return problem_response(status, code, detail, instance=request.url.path, headers=headers)
 
-    # A database that cannot be reached, drops the connection, or has no free connection for seconds is an
-    # outage, not a server bug: 503 with Retry-After, so clients (and `maingrad gate --wait`) come back.
-    for kind in (
-        sa_exc.OperationalError,
-        sa_exc.InterfaceError,
-        sa_exc.DisconnectionError,
-        sa_exc.TimeoutError,
-    ):
-        app.add_exception_handler(kind, _unavailable)
+    # Only a database that cannot be reached (or has no free connection for seconds) is an outage: 503 with
+    # Retry-After, so clients (and `maingrad gate --wait`) come back. Any other database error is a refused
+    # value (422) or a server bug (500), each with the database's reason: answering every one 503 made a
+    # query over the bind-parameter limit look like an outage that clients retried forever.
+    for kind in (sa_exc.DBAPIError, sa_exc.DisconnectionError, sa_exc.TimeoutError):
+        app.add_exception_handler(kind, _database)
     try:  # raw-cursor paths (COPY) raise the driver's own errors
         import psycopg
 
-        app.add_exception_handler(psycopg.OperationalError, _unavailable)
-        app.add_exception_handler(psycopg.InterfaceError, _unavailable)
+        app.add_exception_handler(psycopg.Error, _database)
     except ImportError:  # pragma: no cover - the service extra has psycopg
         pass
 
@@ -187,3 +183,46 @@ def install(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return problem_response(500, "internal_error", "unexpected server error", instance=request.url.path)
+
+
+# PostgreSQL SQLSTATE classes and codes that mean "not reachable now": connection exceptions, too many
+# connections, the server shutting down or starting, no disk (class 53 but "out of memory" is left to 500).
+_UNREACHABLE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53300", "53100", "40001", "40P01")
+_SQLITE_UNREACHABLE = ("database is locked", "unable to open database", "disk i/o error", "database is full")
+
+
+def classify_database_error(exc: BaseException) -> tuple[int, str, str]:
+    """(status, code, detail) of a database error: 503 only when the database is unreachable or busy."""
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, sa_exc.TimeoutError | sa_exc.DisconnectionError | sa_exc.InterfaceError):
+        return 503, "database_unavailable", "the database is unavailable; retry later"
+    if getattr(exc, "connection_invalidated", False):
+        return 503, "database_unavailable", "the database is unavailable; retry later"
+    orig = getattr(exc, "orig", None) or exc
+    sqlstate = getattr(orig, "sqlstate", None)
+    reason = (str(orig).strip().splitlines() or [type(orig).__name__])[0][:300]
+    if sqlstate is not None:
+        if sqlstate.startswith(_UNREACHABLE_SQLSTATES):
+            return 503, "database_unavailable", "the database is unavailable; retry later"
+        if sqlstate.startswith("22"):  # data exception: a value the column cannot hold
+            return 422, "invalid_value", f"the database refused a value: {reason}"
+        return 500, "database_error", f"the database refused the request: {reason}"
+    module = type(orig).__module__
+    if (
+        module.startswith("psycopg")
+        and type(orig).__name__ in ("OperationalError", "InterfaceError")
+        and "number of parameters" not in reason  # psycopg's own check of the bind-parameter limit
+    ):
+        return (
+            503,
+            "database_unavailable",
+            "the database is unavailable; retry later",
+        )  # no SQLSTATE: no answer
+    if ("sqlite" in module or isinstance(exc, sa_exc.OperationalError)) and any(
+        text in reason.lower() for text in _SQLITE_UNREACHABLE
+    ):
+        return 503, "database_unavailable", "the database is unavailable; retry later"
+    if isinstance(exc, sa_exc.DataError):
+        return 422, "invalid_value", f"the database refused a value: {reason}"
+    return 500, "database_error", f"the database refused the request: {reason}"

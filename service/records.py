@@ -19,9 +19,9 @@ from maingrad.contracts.anomalies import ANOMALIES
 from maingrad.service import fastjson
 from maingrad.service.bodyschema import INT32_MAX, INT64_MAX, INT64_MIN, STEP_BOUND
 from maingrad.service.db import Database
-from maingrad.service.dialect import insert_for, note_commit, with_retries
+from maingrad.service.dialect import bump_revision, insert_for, note_commit, with_retries
 from maingrad.service.identifiers import COMMIT_RE
-from maingrad.service.models import Project, Record, Run, utcnow
+from maingrad.service.models import Project, Record, Run, RunEnd, utcnow
 from maingrad.service.parsing import without_nul
 from maingrad.service.problems import ProblemError
 
@@ -48,7 +48,22 @@ _INT32 = INT32_MAX
 _STEP = STEP_BOUND
 
 
-def _load_lines(lines: list[tuple[int, str]]) -> list[Any]:
+def _slices(lines: list[tuple[int, str]], max_chars: int = 256 * 1024, max_lines: int = 500) -> Any:
+    """(offset, lines) slices of at most `max_chars` characters or `max_lines` lines: a batch is parsed and
+    validated a slice at a time and each slice's objects are dropped before the next is built, so the memory a
+    batch takes is its text plus one slice's objects, whatever the lines hold (a 64 KiB line of `[],` builds
+    21,000 lists; 1,000 such lines parsed at once took more than a gigabyte)."""
+    start, size = 0, 0
+    for end, (_, line) in enumerate(lines):
+        size += len(line)
+        if size >= max_chars or end + 1 - start >= max_lines:
+            yield start, lines[start : end + 1]
+            start, size = end + 1, 0
+    if start < len(lines):
+        yield start, lines[start:]
+
+
+def _load_lines(lines: list[tuple[int, str]], offset: int = 0) -> list[Any]:
     """Each line parsed on its own (a batch is one JSON value per line, never a JSON array of them, so a
     value split over lines or two values on one line are refused). One `map` over the batch; only when a
     line is bad does the loop run again to name it (a third of the per-record parse cost on the ingest
@@ -58,7 +73,7 @@ def _load_lines(lines: list[tuple[int, str]]) -> list[Any]:
     except (fastjson.DecodeError, RecursionError):
         pass
     out = []
-    for index, (lineno, line) in enumerate(lines):
+    for index, (lineno, line) in enumerate(lines, start=offset):
         try:
             out.append(fastjson.loads(line))
         except (fastjson.DecodeError, RecursionError) as exc:
@@ -86,6 +101,15 @@ def _split(body: bytes | bytearray, max_records: int, max_line: int) -> list[tup
     return lines
 
 
+def _parsed(lines: list[tuple[int, str]]) -> Any:
+    """(index, (lineno, line), record) for every line, parsed a slice at a time (see _slices)."""
+    for offset, part in _slices(lines):
+        records = _load_lines(part, offset)
+        for i, (item, rec) in enumerate(zip(part, records, strict=True)):
+            yield offset + i, item, rec
+        del records
+
+
 def parse_batch(  # noqa: C901 - one pass per record on the 50,000-records/s path, by design
     body: bytes | bytearray,
     run_name: str,
@@ -101,11 +125,10 @@ def parse_batch(  # noqa: C901 - one pass per record on the 50,000-records/s pat
     lines = _split(body, max_records, max_line)
     if not lines:
         raise ProblemError(422, "empty_batch", "the batch holds no record (one JSON object per line)")
-    records = _load_lines(lines)
     rows: list[tuple[Any, ...]] = []
     commit: str | None = None
     seen_commit: Any = None
-    for index, ((lineno, line), rec) in enumerate(zip(lines, records, strict=True)):
+    for index, (lineno, line), rec in _parsed(lines):
         if type(rec) is not dict:
             raise _bad(lineno, "a record must be a JSON object", index=index)
         if "\\u0000" in line:  # an escaped NUL: PostgreSQL text cannot hold it in the indexed columns
@@ -214,6 +237,75 @@ def ingest(
             }
 
     return with_retries(attempt)
+
+
+def end_run(
+    db: Database, project: Project, run_name: str, commit_param: str | None, marker: Any
+) -> dict[str, Any]:
+    """Store one rank's end marker (contracts.records.end_marker); a re-sent marker replaces the first.
+
+    The run is created when it has no record yet (a rank that made none still ends), bound to `commit_param`
+    like a records batch would bind it."""
+    problems = contract.validate_end_marker(marker)
+    if problems:
+        raise ProblemError(422, "invalid_end_marker", "; ".join(problems))
+    if "run" in marker and marker["run"] != run_name:
+        raise ProblemError(
+            422, "invalid_end_marker", f"marker belongs to run {marker['run']!r}, not {run_name!r}"
+        )
+
+    def attempt() -> dict[str, Any]:
+        with db.writing() as session:
+            run_id, run_commit = _get_or_create_run(session, project, run_name, commit_param)
+            values = {
+                "run_id": run_id,
+                "rank": marker["rank"],
+                "world_size": marker["world_size"],
+                "records": marker["records"],
+                "lost": marker["lost"],
+                "created_at": utcnow(),
+            }
+            stmt = insert_for(session, RunEnd)
+            session.execute(
+                stmt.values(**values).on_conflict_do_update(
+                    index_elements=["run_id", "rank"],
+                    set_={k: stmt.excluded[k] for k in ("world_size", "records", "lost", "created_at")},
+                )
+            )
+            bump_revision(session, project.id)
+            return {"run": run_name, "commit_sha": run_commit, **run_completion(session, run_id)}
+
+    return with_retries(attempt)
+
+
+_ENDS = select(RunEnd.run_id, RunEnd.rank, RunEnd.world_size, RunEnd.lost).where(
+    RunEnd.run_id.in_(bindparam("ids", expanding=True))
+)
+
+
+def completions(session: Session, run_ids: list[int]) -> dict[int, dict[str, Any]]:
+    """Per run: the ranks that ended, the world size they name, the records lost, and whether it is complete."""
+    out: dict[int, dict[str, Any]] = {
+        rid: {"ended_ranks": 0, "world_size": None, "lost": 0, "complete": False} for rid in run_ids
+    }
+    if not run_ids:
+        return out
+    ranks: dict[int, set[int]] = {rid: set() for rid in run_ids}
+    for row in session.connection().execute(_ENDS, {"ids": run_ids}):
+        state = out[row.run_id]
+        ranks[row.run_id].add(row.rank)
+        state["world_size"] = max(state["world_size"] or 0, row.world_size)
+        state["lost"] += int(row.lost)
+    for rid, state in out.items():
+        state["ended_ranks"] = len(ranks[rid])
+        state["complete"] = bool(
+            state["world_size"] and state["ended_ranks"] >= state["world_size"] and state["lost"] == 0
+        )
+    return out
+
+
+def run_completion(session: Session, run_id: int) -> dict[str, Any]:
+    return completions(session, [run_id])[run_id]
 
 
 _SQLITE_CHUNK = 500  # 500 x 14 parameters stays below SQLite's 32,766-variable limit

@@ -226,11 +226,22 @@ class AnomalySample(BaseModel):
     anomaly: str
 
 
+class IncompleteRun(BaseModel):
+    run: str
+    ended_ranks: int
+    world_size: int | None
+    lost: int
+
+
 class GateRuntime(BaseModel):
     runs: list[str]
     records: int
     anomalies: int
     samples: list[AnomalySample]
+    incomplete: list[IncompleteRun] = Field(
+        description="Runs whose ranks have not all sent their end marker, or that lost records: their "
+        "records are not evidence yet, and the gate is `pending` (or `fail` on an anomaly already seen)."
+    )
 
 
 class GateEvidence(BaseModel):
@@ -238,6 +249,11 @@ class GateEvidence(BaseModel):
     present: list[str]
     missing: list[str] = Field(
         description="Required evidence not there yet: the gate is `pending` meanwhile."
+    )
+    source: Literal["request", "project", "default_branch", "explicit_base", "configured_default"] = Field(
+        description="Where `required` came from: the call's `require`, the project's `required_evidence`, "
+        "what the default branch received last, what the explicit `base_sha` received, or the server's "
+        "configured default."
     )
 
 
@@ -268,6 +284,15 @@ class RecordsIngested(BaseModel):
     received: int
     inserted: int
     duplicates: int
+
+
+class RunEnded(BaseModel):
+    run: str
+    commit_sha: str | None
+    ended_ranks: int
+    world_size: int | None
+    lost: int
+    complete: bool
 
 
 class RunOut(BaseModel):

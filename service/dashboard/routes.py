@@ -6,6 +6,8 @@ does, so the dashboard shows exactly what that token may read. `MAINGRAD_PUBLIC_
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,6 +29,7 @@ from maingrad.service.tokens import expand_scopes
 
 HERE = Path(__file__).parent
 COOKIE = "maingrad_token"
+LOGIN_CSRF_COOKIE = "maingrad_login_csrf"
 CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'none'; frame-ancestors 'none'"
 templates = Jinja2Templates(directory=str(HERE / "templates"))
 router = APIRouter(include_in_schema=False)
@@ -68,6 +71,8 @@ def _render(request: Request, name: str, status_code: int = 200, **context: Any)
     response.headers["Content-Security-Policy"] = CSP
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Referrer-Policy"] = "no-referrer"
+    # Pages show project data to a signed-in viewer: no browser or proxy cache may keep them.
+    response.headers["Cache-Control"] = "no-store"
     return response
 
 
@@ -78,20 +83,57 @@ def _project(session: Session, viewer: auth.Principal, name: str) -> Project:
         raise PageError(exc.status, exc.detail) from None
 
 
+def _login_page(request: Request, error: str | None, status_code: int = 200) -> HTMLResponse:
+    """The sign-in form with a fresh CSRF nonce, set as a SameSite=Strict cookie and echoed in the form.
+
+    Without it another site could post its own token to /login and sign the visitor in as itself (login
+    CSRF): what the visitor then uploads or reads goes to the attacker's project. A cross-site POST does not
+    carry the Strict cookie, so its nonce cannot match."""
+    nonce = secrets.token_urlsafe(24)
+    response = _render(request, "login.html", status_code=status_code, error=error, csrf=nonce)
+    response.set_cookie(
+        LOGIN_CSRF_COOKIE,
+        nonce,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        max_age=3600,
+        path="/login",
+    )
+    return response
+
+
+def _same_origin(request: Request) -> bool:
+    origin = request.headers.get("origin")
+    if origin is None or origin == "null":
+        return origin is None  # "null": a sandboxed or cross-site context
+    # Host only: behind a TLS-terminating proxy the page is https and the request reaching us http.
+    return origin.rstrip("/").split("://", 1)[-1] == request.headers.get("host", request.url.netloc)
+
+
 @router.get("/login", response_class=HTMLResponse)
 def login_form(request: Request) -> HTMLResponse:
-    return _render(request, "login.html", error=None)
+    return _login_page(request, None)
 
 
 @router.post("/login", response_class=HTMLResponse)
-def login(request: Request, session: SessionDep, token: Annotated[str, Form(max_length=200)]) -> Response:
+def login(
+    request: Request,
+    session: SessionDep,
+    token: Annotated[str, Form(max_length=200)],
+    csrf: Annotated[str, Form(max_length=100)] = "",
+) -> Response:
+    expected = request.cookies.get(LOGIN_CSRF_COOKIE, "")
+    if not (csrf and expected and hmac.compare_digest(csrf, expected)) or not _same_origin(request):
+        return _login_page(request, "the sign-in form expired or came from another site; sign in again", 403)
     try:
         principal = auth.authenticate(session, request.app.state.settings, token)
     except ProblemError as exc:
-        return _render(request, "login.html", error=exc.detail)  # the form again, with the reason
+        return _login_page(request, exc.detail)  # the form again, with the reason
     if "read" not in principal.scopes:
-        return _render(request, "login.html", error="this token cannot read")
-    response = RedirectResponse("/", status_code=303)
+        return _login_page(request, "this token cannot read")
+    response = RedirectResponse("/", status_code=303, headers={"Cache-Control": "no-store"})
+    response.delete_cookie(LOGIN_CSRF_COOKIE, path="/login")
     response.set_cookie(
         COOKIE,
         token.strip(),

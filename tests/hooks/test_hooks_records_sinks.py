@@ -239,6 +239,10 @@ def server():
     httpd.server_close()
 
 
+def _record_posts(handler: type[_Collector]) -> list[tuple[str, dict, bytes]]:
+    return [r for r in handler.requests if "/records" in r[0]]
+
+
 @pytest.mark.timeout(60)
 def test_http_sink_posts_ndjson_batches(server) -> None:
     httpd, handler = server
@@ -248,8 +252,18 @@ def test_http_sink_posts_ndjson_batches(server) -> None:
     records = handle.records()
     handle.remove()  # final flush + close waits for the queue to drain
     assert sink.stats()["sent"] == len(records) == 64 and sink.dropped == 0 and sink.failed == 0
-    paths = {path for path, _, _ in handler.requests}
-    assert paths == {"/api/v1/projects/my%20proj/runs/r1/records?commit_sha=abc123"}
+    *posts, end = handler.requests  # the end marker comes last, once every batch is acknowledged
+    assert {path for path, _, _ in posts} == {"/api/v1/projects/my%20proj/runs/r1/records?commit_sha=abc123"}
+    assert end[0] == "/api/v1/projects/my%20proj/runs/r1/end?commit_sha=abc123" and sink.ended
+    assert json.loads(end[2]) == {
+        "schema": 1,
+        "run": "r1",
+        "rank": 3,
+        "world_size": 4,
+        "records": 64,
+        "lost": 0,
+    }
+    handler.requests = posts
     _, headers, _ = handler.requests[0]
     assert headers["Authorization"] == "Bearer tok"
     assert headers["Content-Type"] == "application/x-ndjson"
@@ -281,7 +295,8 @@ def test_http_sink_counts_failures(server) -> None:
     sink.emit([{"n": i} for i in range(12)])
     sink.close()
     assert sink.failed == 12 and sink.sent == 0 and sink.last_status == 401
-    assert len(handler.requests) == 3 and sink.retried == 0  # a 4xx is never tried again
+    assert len(_record_posts(handler)) == 3 and sink.retried == 0  # a 4xx is never tried again
+    assert json.loads(handler.requests[-1][2])["lost"] == 12 and not sink.ended  # the end marker says so
     dead = HttpSink("http://127.0.0.1:9", "p", timeout=2, backoff=0.01)  # nothing listens on the discard port
     dead.open(RunMeta("r", 0, "observe", None))
     dead.emit([{"n": 1}])
@@ -298,8 +313,8 @@ def test_http_sink_retries_a_server_shedding_load(server) -> None:
     sink.open(RunMeta("r", 0, "observe", None))
     sink.emit([{"n": i} for i in range(10)])
     sink.close()
-    assert (sink.sent, sink.failed, sink.retried, len(handler.requests)) == (10, 0, 2, 4)
-    bodies = [body for _, _, body in handler.requests]
+    assert (sink.sent, sink.failed, sink.retried, len(_record_posts(handler))) == (10, 0, 2, 4)
+    bodies = [body for _, _, body in _record_posts(handler)]
     assert sorted(set(bodies)) == sorted(bodies[2:])  # the two shed posts were re-sent as they were
     handler.shed = 10  # more than the retries allow: counted as failed, never raised
     stubborn = HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", retries=2)

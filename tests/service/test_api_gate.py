@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from conftest import ProjectCtx
 from svc_helpers import finding, ndjson, record, report, sarif, sarif_result, sha
+
+from maingrad.contracts.records import end_marker
 
 MG001 = finding()
 MG003 = finding(
@@ -145,6 +149,23 @@ def test_runtime_anomalies_fail_the_gate(project: ProjectCtx) -> None:
     assert cond["runtime_anomalies"]["passed"] is False and cond["new_findings"]["passed"] is True
 
 
+def _gate(project: ProjectCtx, commit: str, *require: str) -> dict[str, Any]:
+    params = {"commit_sha": commit, "require": list(require)}
+    response = project.client.get(project.url("/gate"), params=params, headers=project.headers("read"))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _end(project: ProjectCtx, run: str, commit: str) -> None:
+    r = project.client.post(
+        project.url(f"/runs/{run}/end"),
+        params={"commit_sha": commit},
+        json=end_marker(run, 0, 1, 10, 0),
+        headers=project.headers("upload"),
+    )
+    assert r.status_code == 200 and r.json()["complete"], r.text
+
+
 def test_runtime_only_commit_is_neutral_and_raised_action_counts(project: ProjectCtx) -> None:
     clean = [record("run-b", i) for i in range(10)]
     project.client.post(
@@ -153,6 +174,8 @@ def test_runtime_only_commit_is_neutral_and_raised_action_counts(project: Projec
         content=ndjson(clean),
         headers=project.headers("upload"),
     )
+    assert project.gate(sha(70))["status"] == "pending"  # the run has not said it ended
+    _end(project, "run-b", sha(70))
     assert project.gate(sha(70))["status"] == "neutral"
     raised = [record("run-c", 0, action="raised")]
     project.client.post(
@@ -201,7 +224,12 @@ def test_categories_are_compared_within_themselves(project: ProjectCtx) -> None:
     project.upload(report(MG001), sha(110), branch="main")
     project.upload(sarif(sarif_result(level="error")), sha(110), branch="main")
     project.upload(report(MG001), sha(111), branch="feature")  # only the maingrad category this time
-    gate = project.gate(sha(111))
+    # Nothing required: the gate waits for what main received last (both categories); the other tool's
+    # report may still land with a failure.
+    waiting = project.gate(sha(111))
+    assert waiting["status"] == "pending" and waiting["evidence"]["missing"] == ["othertool"]
+    assert waiting["evidence"]["source"] == "default_branch"
+    gate = _gate(project, sha(111), "maingrad")  # the call asks for the maingrad analysis only
     assert gate["summary"] == {
         "new": 0,
         "new_failing": 0,
@@ -280,18 +308,20 @@ def test_files_not_analyzed_fail_the_gate_in_both_formats(project: ProjectCtx) -
     project.upload(
         sarif(invocations=[{"executionSuccessful": True, "toolExecutionNotifications": [note]}]), sha("na2")
     )
-    assert project.gate(sha("na2"))["status"] == "fail"
+    # (Each commit here carries one tool's analysis, so the call names it: with nothing required, the gate
+    # would wait for the maingrad analysis the default branch received last.)
+    assert _gate(project, sha("na2"), "othertool")["status"] == "fail"
 
     warning = {**note, "level": "warning"}  # a warning says nothing was left out
     project.upload(
         sarif(invocations=[{"executionSuccessful": True, "toolExecutionNotifications": [warning]}]),
         sha("na3"),
     )
-    assert project.gate(sha("na3"))["status"] == "pass"
+    assert _gate(project, sha("na3"), "othertool")["status"] == "pass"
 
     clean = report()
     project.upload(clean, sha("na4"))
-    assert project.gate(sha("na4"))["status"] == "pass"
+    assert _gate(project, sha("na4"), "maingrad")["status"] == "pass"
 
 
 def test_an_internal_error_of_the_analyzer_is_a_failed_tool_run(project: ProjectCtx) -> None:

@@ -21,6 +21,7 @@ import pytest
 from conftest import PG_URL, ProjectCtx
 from svc_helpers import ADMIN, SECRET, Server, TcpProxy, finding, ndjson, record, report, sha
 
+from maingrad.contracts.records import end_marker
 from maingrad.service.shedding import LoadShedMiddleware
 
 CLI_ENV = {
@@ -50,13 +51,34 @@ def post_records(project: ProjectCtx, run: str, commit: str, n: int = 4, **over:
     assert r.status_code == 200, r.text
 
 
+def end_run(
+    project: ProjectCtx, run: str, commit: str, rank: int = 0, world_size: int = 1, lost: int = 0
+) -> dict[str, Any]:
+    """What the hooks' HttpSink sends when it is closed (contracts.records.end_marker)."""
+    marker = end_marker(run, rank, world_size, 4, lost)
+    r = project.client.post(
+        project.url(f"/runs/{run}/end"),
+        params={"commit_sha": commit},
+        json=marker,
+        headers=project.headers("upload"),
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 # --- D5: the gate decides on complete evidence ----------------------------------------------------------
 
 
 def test_d5_partial_evidence_is_pending_never_pass(project: ProjectCtx) -> None:
     commit = sha("d5")
     post_records(project, "d5-run", commit)  # clean runtime records arrive first
-    assert project.gate(commit)["status"] == "neutral"  # nothing required: today's answer
+    gate = project.gate(commit)  # the run has not ended: partial evidence is never a pass
+    assert gate["status"] == "pending" and "1 ranks ended" not in gate["reason"], gate["reason"]
+    assert gate["runtime"]["incomplete"] == [
+        {"run": "d5-run", "ended_ranks": 0, "world_size": None, "lost": 0}
+    ]
+    assert end_run(project, "d5-run", commit)["complete"] is True
+    assert project.gate(commit)["status"] == "neutral"  # nothing required, nothing on main: neutral
     params = {"commit_sha": commit, "require": ["maingrad", "runtime"]}
     body = project.client.get(project.url("/gate"), params=params, headers=project.headers("read")).json()
     assert body["status"] == "pending" and body["evidence"]["missing"] == ["maingrad"]
@@ -67,6 +89,7 @@ def test_d5_partial_evidence_is_pending_never_pass(project: ProjectCtx) -> None:
         "required": ["maingrad", "runtime"],
         "present": ["maingrad", "runtime"],
         "missing": [],
+        "source": "request",
     }
 
 
@@ -80,6 +103,8 @@ def test_d5_project_states_what_every_commit_needs(project: ProjectCtx) -> None:
     gate = project.gate(commit)
     assert gate["status"] == "pending" and gate["evidence"]["missing"] == ["runtime"]
     post_records(project, "d5p-run", commit)
+    assert project.gate(commit)["evidence"]["missing"] == ["runtime"]  # records, but the run has not ended
+    end_run(project, "d5p-run", commit)
     assert project.gate(commit)["status"] == "pass"
     # The call overrides the project: here only the analysis is needed.
     other = sha("d5q")
@@ -110,6 +135,13 @@ def test_d5_gate_wait_holds_until_the_failing_analysis_lands(fresh_database_url:
             headers=headers,
         )
         assert r.status_code == 200, r.text
+        r = httpx.post(
+            f"{base}/runs/R/end",
+            params={"commit_sha": commit},
+            json=end_marker("R", 0, 1, 1, 0),
+            headers=headers,
+        )
+        assert r.status_code == 200 and r.json()["complete"], r.text
         gate = subprocess.Popen(
             [sys.executable, "-m", "maingrad.cli.main", "gate", "--url", server.url, "--token", secret]
             + ["--commit", commit, "--require", "maingrad,runtime", "--wait", "60"],

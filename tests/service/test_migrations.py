@@ -74,3 +74,20 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
         in text
     )
     assert 'route="/healthz"' in text
+
+
+def test_bootstrap_admin_token_goes_to_a_private_file_not_the_log(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+    import stat
+
+    from maingrad.service.config import Settings
+
+    token_file = tmp_path / "admin-token"
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'boot.db'}", secret="s", bootstrap_token_file=str(token_file)
+    )
+    with caplog.at_level(logging.WARNING, logger="maingrad.service"), TestClient(create_app(settings)):
+        pass
+    secret = token_file.read_text().strip()
+    assert secret.startswith("mga_") and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert secret not in caplog.text and str(token_file) in caplog.text

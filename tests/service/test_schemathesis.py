@@ -6,9 +6,10 @@ integration breaks across pytest majors. A project named `demo` (the documented 
 path parameter) is seeded so generated requests reach the handlers; 0 failures is the bar, on SQLite and on
 PostgreSQL.
 
-Two operations enforce a rule their schema cannot state, and are allowed a 422 for schema-valid input
+Three operations enforce a rule their schema cannot state, and are allowed a 422 for schema-valid input
 (schemathesis's documented tuning for cross-field rules): a token's `expires_at` must be in the future (a token
-is never born expired), and a record's `run` must be the run in the URL, one batch naming one commit.
+is never born expired), a record's `run` must be the run in the URL, one batch naming one commit, and an end
+marker's rank is below its world size.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404",
 
 [[operations]]
 include-path = "/api/v1/projects/{project}/runs/{run}/records"
+include-method = "POST"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404", "409", "422"]
+
+[[operations]]
+include-path = "/api/v1/projects/{project}/runs/{run}/end"
 include-method = "POST"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404", "409", "422"]
 """
@@ -94,7 +100,7 @@ def test_api_conforms_to_its_schema_with_all_checks(fresh_database_url: str, tmp
         )
         output = result.stdout + result.stderr
         assert result.returncode == 0, output[-15000:]
-        assert "Tested: 25" in output and "❌" not in output, output[-8000:]
+        assert "Tested: 26" in output and "❌" not in output, output[-8000:]
         assert "Errors:" not in output, output[-8000:]
         assert not server.proc or server.proc.poll() is None, server.log()[-3000:]
         assert "Traceback" not in server.log(), server.log()[-5000:]

@@ -30,6 +30,7 @@ REQUIRED = {
     ("GET", "/api/v1/projects/{project}/gate"): "read",
     ("GET", "/api/v1/projects/{project}/gate/sarif"): "read",
     ("POST", "/api/v1/projects/{project}/runs/{run}/records"): "upload",
+    ("POST", "/api/v1/projects/{project}/runs/{run}/end"): "upload",
     ("GET", "/api/v1/projects/{project}/runs"): "read",
     ("GET", "/api/v1/projects/{project}/runs/{run}"): "read",
     ("GET", "/api/v1/projects/{project}/runs/{run}/timeline"): "read",
@@ -106,6 +107,8 @@ class Target:
             kwargs["content"] = json.dumps(report()).encode()
         elif path.endswith("/records") and method == "POST":
             kwargs["content"] = ndjson([record("run-1", 99)])
+        elif path.endswith("/end") and method == "POST":
+            kwargs["json"] = {"rank": 0, "world_size": 1, "records": 1, "lost": 0}
         elif method == "PATCH" and "/alerts/" in path:
             kwargs["json"] = {"state": "dismissed", "reason": "false_positive"}
         elif method == "PATCH":
@@ -230,18 +233,52 @@ def test_static_path_traversal(client: TestClient, path: str) -> None:
     assert "MAINGRAD" not in r.text and "[project]" not in r.text
 
 
+def _csrf(client: TestClient) -> str:
+    """The sign-in form's nonce (its cookie is now in the client's jar)."""
+    page = client.get("/login")
+    assert page.headers["cache-control"] == "no-store"
+    return page.text.split('name="csrf" value="', 1)[1].split('"', 1)[0]
+
+
+def test_login_csrf_is_refused(client: TestClient, target: Target) -> None:
+    """Login CSRF: another site posts its own token to /login to sign the visitor in as itself."""
+    client.cookies.clear()
+    token = target.other.tokens["read"]
+    for data, headers in (
+        ({"token": token}, {}),  # no nonce at all (a cross-site form carries no Strict cookie)
+        ({"token": token, "csrf": "guessed"}, {}),
+    ):
+        r = client.post("/login", data=data, headers=headers, follow_redirects=False)
+        assert r.status_code == 403 and "maingrad_token" not in r.headers.get("set-cookie", ""), r.text
+    nonce = _csrf(client)
+    r = client.post(
+        "/login",
+        data={"token": token, "csrf": nonce},
+        headers={"Origin": "https://evil.example"},
+        follow_redirects=False,
+    )
+    assert r.status_code == 403  # the right nonce, but posted from another origin
+    nonce = _csrf(client)
+    r = client.post("/login", data={"token": token, "csrf": nonce}, follow_redirects=False)
+    assert r.status_code == 303 and "maingrad_token=" in r.headers["set-cookie"]
+    client.cookies.clear()
+
+
 def test_dashboard_requires_login(client: TestClient, target: Target) -> None:
     client.cookies.clear()
     for path in ("/", f"/projects/{target.p.name}", f"/projects/{target.p.name}/runs/run-1"):
         r = client.get(path, follow_redirects=False)
         assert r.status_code == 303 and r.headers["location"] == "/login"
     client.cookies.clear()
-    r = client.post("/login", data={"token": target.other.tokens["read"]}, follow_redirects=False)
+    r = client.post(
+        "/login", data={"token": target.other.tokens["read"], "csrf": _csrf(client)}, follow_redirects=False
+    )
     assert r.status_code == 303
     # The other project's token cannot see this project's pages.
-    assert client.get(f"/projects/{target.p.name}").status_code == 404
+    page = client.get(f"/projects/{target.p.name}")
+    assert page.status_code == 404 and page.headers["cache-control"] == "no-store"
     client.cookies.clear()
-    r = client.post("/login", data={"token": target.revoked}, follow_redirects=False)
+    r = client.post("/login", data={"token": target.revoked, "csrf": _csrf(client)}, follow_redirects=False)
     assert (
         r.status_code == 200
         and "revoked" in r.text

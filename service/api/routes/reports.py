@@ -16,7 +16,7 @@ from maingrad.service.gate import finding_out
 from maingrad.service.models import Analysis, Commit, Finding, Run
 from maingrad.service.pagination import after_id, decode_cursor, encode_cursor, keyset_page
 from maingrad.service.problems import ProblemError
-from maingrad.service.reports import analysis_dict, store_report
+from maingrad.service.reports import HIDDEN_PREFIX, analysis_dict, store_report
 from maingrad.service.sarif_out import analysis_sarif
 from maingrad.service.schemas import AnalysisOut, CommitOut, FindingOut, Page, UploadResult
 
@@ -95,7 +95,11 @@ def list_analyses(
     cursor: CursorQuery = None,
     limit: LimitQuery = 50,
 ) -> dict[str, Any]:
-    query = select(Analysis).where(Analysis.project_id == access.project.id).order_by(Analysis.id.desc())
+    query = (
+        select(Analysis)
+        .where(Analysis.project_id == access.project.id, Analysis.commit_sha.not_like(f"{HIDDEN_PREFIX}%"))
+        .order_by(Analysis.id.desc())
+    )
     if commit_sha:
         query = query.where(Analysis.commit_sha == commit_sha.lower())
     rows, nxt = keyset_page(session, query, Analysis.id, cursor, limit, newest_first=True)
@@ -104,7 +108,11 @@ def list_analyses(
 
 def _analysis(session: Any, access: Any, analysis_id: int) -> Analysis:
     analysis = session.get(Analysis, analysis_id)
-    if analysis is None or analysis.project_id != access.project.id:
+    if (
+        analysis is None
+        or analysis.project_id != access.project.id
+        or analysis.commit_sha.startswith(HIDDEN_PREFIX)
+    ):
         raise ProblemError(404, "analysis_not_found", f"no analysis {analysis_id} in this project")
     return analysis
 

@@ -9,14 +9,14 @@ from fastapi import APIRouter, Path, Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select
 
-from maingrad.service import records
+from maingrad.service import fastjson, records
 from maingrad.service.api.deps import DbDep, ReadAccess, SessionDep, SettingsDep, UploadAccess
 from maingrad.service.api.params import CursorQuery, KeyCursorQuery, LimitQuery, OptionalCommitQuery
-from maingrad.service.bodies import decode_content, read_body
+from maingrad.service.bodies import SMALL_BODY, decode_content, read_body
 from maingrad.service.models import Record, Run
 from maingrad.service.pagination import decode_key_cursor, encode_key_cursor, keyset_page
 from maingrad.service.problems import ProblemError
-from maingrad.service.schemas import Page, RecordOut, RecordsIngested, RunDetail, RunOut, Timeline
+from maingrad.service.schemas import Page, RecordOut, RecordsIngested, RunDetail, RunEnded, RunOut, Timeline
 
 router = APIRouter(tags=["runtime"])
 
@@ -84,6 +84,58 @@ async def post_records(
     if result["duplicates"]:
         request.app.state.metrics.inc("maingrad_records_duplicate_total", result["duplicates"])
     return result
+
+
+_COUNT = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+# contracts.records.end_marker, as validate_end_marker checks it (plus two rules a schema cannot state: the
+# rank is below world_size, and `run`, when given, is the run in the URL).
+_END_MARKER_SCHEMA = {
+    "type": "object",
+    "required": ["rank", "world_size", "records", "lost"],
+    "additionalProperties": False,
+    "properties": {
+        "schema": {"type": "integer", "enum": [1]},
+        "run": {"type": "string", "minLength": 1, "maxLength": 255},
+        "rank": _COUNT,
+        "world_size": {**_COUNT, "minimum": 1},
+        "records": _COUNT,
+        "lost": _COUNT,
+    },
+}
+
+
+@router.post(
+    "/projects/{project}/runs/{run}/end",
+    response_model=RunEnded,
+    summary="One rank's end of records (its sink sends it when closed)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "`contracts.records.end_marker`: rank, world_size, records handed over, lost.",
+            "content": {"application/json": {"schema": _END_MARKER_SCHEMA}},
+        }
+    },
+    responses={
+        409: {"description": "The run belongs to another commit."},
+        422: {"description": "Not an end marker (the detail names what is wrong)."},
+    },
+)
+async def post_run_end(
+    run: RunName,
+    request: Request,
+    access: UploadAccess,
+    db: DbDep,
+    commit_sha: OptionalCommitQuery = None,
+) -> dict[str, Any]:
+    """The run's runtime evidence counts only once every rank has ended and none lost a record."""
+    raw = await read_body(request, SMALL_BODY)
+    try:
+        marker = fastjson.loads_strict(raw)
+    except (fastjson.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ProblemError(422, "invalid_json", f"body is not JSON: {exc}") from None
+    return await run_in_threadpool(
+        records.end_run, db, access.project, run, commit_sha.lower() if commit_sha else None, marker
+    )
 
 
 def _run(session: Any, access: Any, name: str) -> Run:
