@@ -283,7 +283,8 @@ def validate_end_marker(marker: Any) -> list[str]:
     """Problems of an end marker (empty when valid)."""
     if not isinstance(marker, dict):
         return ["end marker is not an object"]
-    problems = []
+    marker = cast("dict[str, Any]", marker)
+    problems: list[str] = []
     extra = sorted(set(marker) - set(END_FIELDS))
     if extra:
         problems.append(f"unknown fields {extra}")
