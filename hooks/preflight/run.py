@@ -76,7 +76,7 @@ from maingrad.hooks.preflight.measure import (
     unit_roundoff,
 )
 from maingrad.hooks.preflight.result import ParamResult, PreflightResult, Probe
-from maingrad.hooks.preflight.state import BufferState, RngPair, RngState
+from maingrad.hooks.preflight.state import BufferState, RngPair, RngState, fp8_state_pairs
 from maingrad.hooks.preflight.wrappers import Adapter, Entry, choose
 
 RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
@@ -213,7 +213,7 @@ class Check:
         self.first_loss: Any = None
         self.probes: list[Probe] = []
         self.noise = 0.0
-        self.rng = RngState(rng_states)
+        self.rng = RngState([*fp8_state_pairs(model), *rng_states])
         self.synced = False  # prepare() or commit() ran after the last change of the weights
         self.zeroed = False  # zero() ran after the last backward
         self.uninstalled = False  # weights moved or restored in place since the last commit()

@@ -8,6 +8,11 @@ initialised CUDA device's default generator, Python's `random`, NumPy's global g
 imported, megatron-core's CUDA RNG tracker when megatron-core is imported (never imported here), and any
 extra `(get_state, set_state)` pairs the caller passes.
 
+Transformer Engine's FP8 scaling state (`fp8_meta` of each TE module: the amax history and scales that delayed
+scaling updates at every forward) is fixed the same way: without it each run would quantize with the scales the
+previous run left, a gradient difference that is the recipe's, not the accumulation's, and preflight would
+leave the scales moved.
+
 Module buffers (running statistics, routers' token counters, expert biases updated in forward) are copied
 once at the start and copied back at the end; parameters are restored by the finite-difference code itself.
 """
@@ -46,6 +51,42 @@ def _megatron_trackers() -> list[RngPair]:
 
     def put(states: Any) -> None:
         set_states({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states.items()})
+
+    return [(get, put)]
+
+
+def fp8_state_pairs(model: torch.nn.Module) -> list[RngPair]:
+    """One (get_state, set_state) pair over the tensors of every TE module's `fp8_meta` (the values and the
+    tensor attributes of its recipe-state objects: amax history, scale, scale_inv), restored in place."""
+    tensors: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
+            tensors.append(value)
+
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        if not isinstance(meta, dict):
+            continue
+        for value in cast(dict[Any, Any], meta).values():
+            add(value)
+            attrs = getattr(value, "__dict__", None)
+            if isinstance(attrs, dict):
+                for attr in cast(dict[str, Any], attrs).values():
+                    add(attr)
+    if not tensors:
+        return []
+
+    def get() -> Any:
+        return [t.detach().clone() for t in tensors]
+
+    def put(states: Any) -> None:
+        with torch.no_grad():
+            for tensor, saved in zip(tensors, cast(list[torch.Tensor], states), strict=True):
+                if tensor.shape == saved.shape:
+                    tensor.copy_(saved)
 
     return [(get, put)]
 

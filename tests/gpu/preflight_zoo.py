@@ -92,6 +92,11 @@ GPT541 = dict(layers=8, hidden=2048, heads=16, seq=2048, tied=False)  # the issu
 GPT1B = dict(layers=20, hidden=2048, heads=16, seq=2048)
 MOE = dict(layers=4, hidden=1024, heads=16, experts=8, topk=2, moe_ffn=1024)
 
+# Not a correct model: megatron-core's own ColumnParallelLinear (the GPT output layer, which also holds the
+# tied embedding's weight) overwrites main_grad in its Megatron-FSDP wgrad branch whatever the strategy
+# (tensor_parallel/layers.py; docs/findings/runtime-megatron-core-layers-fsdp-overwrite.md).
+UPSTREAM_LAYERS = "upstream bug: tensor_parallel/layers.py Megatron-FSDP branch overwrites main_grad"
+
 ZOO: list[Case] = [
     Case("gpt125m-tied-ddp-bf16", Model(**GPT125), "ddp"),
     Case("gpt125m-untied-ddp-bf16", Model(**{**GPT125, "tied": False}), "ddp"),
@@ -99,12 +104,28 @@ ZOO: list[Case] = [
     Case("gpt125m-local-ddp-bf16", Model(**{**GPT125, "spec": "local"}), "ddp"),
     Case("gpt350m-tied-ddp-fp8", Model(**{**GPT350, "fp8": True}), "ddp"),
     Case("gpt541m-untied-ddp-bf16", Model(**GPT541), "ddp"),
-    Case("gpt541m-untied-fsdp-noshard-bf16", Model(**GPT541), "fsdp:no_shard"),
+    Case(
+        "gpt541m-untied-fsdp-noshard-bf16",
+        Model(**GPT541),
+        "fsdp:no_shard",
+        expect="fail",
+        target="output_layer.weight",
+        expect_codes=("grad_overwritten",),
+        note=UPSTREAM_LAYERS,
+    ),  # fmt: skip
     Case("gpt1.2b-tied-ddp-bf16", Model(**GPT1B), "ddp"),
     Case("gpt125m-fsdp-optim-nofusion", Model(**{**GPT125, "fusion": False}), "fsdp:optim"),
     Case("gpt125m-fsdp-optimgrads-nofusion", Model(**{**GPT125, "fusion": False}), "fsdp:optim_grads"),
     Case("gpt125m-fsdp-ogp-nofusion", Model(**{**GPT125, "fusion": False}), "fsdp:optim_grads_params"),
-    Case("gpt125m-fsdp-noshard-fusion", Model(**GPT125), "fsdp:no_shard"),
+    Case(
+        "gpt125m-fsdp-noshard-fusion",
+        Model(**GPT125),
+        "fsdp:no_shard",
+        expect="fail",
+        target="embedding.word_embeddings.weight",
+        expect_codes=("grad_overwritten",),
+        note=UPSTREAM_LAYERS,
+    ),
     Case("moe8-dropless-ddp-bf16", Model(**MOE), "ddp"),
     Case("moe8-dropping-ddp-bf16", Model(**{**MOE, "capacity": 1.0}), "ddp"),
     Case(
@@ -112,7 +133,15 @@ ZOO: list[Case] = [
         Model(**{**MOE, "experts": 64, "topk": 1, "moe_ffn": 256, "seq": 32}),
         "ddp",
     ),
-    Case("moe8-dropless-fsdp-noshard", Model(**MOE), "fsdp:no_shard"),
+    Case(
+        "moe8-dropless-fsdp-noshard",
+        Model(**MOE),
+        "fsdp:no_shard",
+        expect="fail",
+        target="embedding.word_embeddings.weight",
+        expect_codes=("grad_overwritten",),
+        note=UPSTREAM_LAYERS,
+    ),
     Case("torchgpt-fsdp2-bf16", Model(layers=6, hidden=512, heads=8, spec="torch"), "fsdp2"),
     Case("torchgpt-fsdp2-fp32", Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"), "fsdp2"),
     Case(

@@ -131,6 +131,7 @@ def test_service_gate_fails_on_preflight_records(tmp_path: Path) -> None:
         from svc_helpers import ADMIN, SECRET, admin_headers, ndjson, report, sha
     finally:
         sys.path.pop(0)
+    from maingrad.contracts.records import end_marker
     from maingrad.service.app import create_app
     from maingrad.service.config import Settings
 
@@ -169,6 +170,13 @@ def test_service_gate_fails_on_preflight_records(tmp_path: Path) -> None:
             records = result.records(run=f"preflight-{n}", commit=commit)
             r = client.post(
                 f"/api/v1/projects/pf/runs/preflight-{n}/records", content=ndjson(records), headers=auth
+            )
+            assert r.status_code == 200, r.text
+            # what preflight's sink sends when it closes: the run is complete only with its end marker
+            r = client.post(
+                f"/api/v1/projects/pf/runs/preflight-{n}/end",
+                json=end_marker(f"preflight-{n}", rank=0, world_size=1, records=len(records), lost=0),
+                headers=auth,
             )
             assert r.status_code == 200, r.text
         gate = client.get("/api/v1/projects/pf/gate", params={"commit_sha": sha("pf1")}, headers=auth).json()
