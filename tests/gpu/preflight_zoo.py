@@ -234,7 +234,7 @@ BUGS: list[Case] = [
         bug="stale",
         target=f"{L}.9.self_attention.linear_proj.weight",
         expect="fail",
-        expect_codes=("grad_inconsistent", "grad_nondeterministic"),
+        expect_codes=("grad_stale", "grad_inconsistent", "grad_nondeterministic"),
     ),
     Case(
         "bug-expert-lost",
