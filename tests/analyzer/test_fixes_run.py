@@ -632,3 +632,38 @@ def test_spliced_and_piecewise_fixes_equal_the_whole_module_transform(
     monkeypatch.setattr(segments, "CHUNK_CHARS", 2_000)
     monkeypatch.setattr(segments, "GROUP_CHARS", 5_000)
     assert fix_source(source, "f.py", rules, unsafe=True) == reference
+
+
+def test_mg007_matmul_fix_writes_bf16_products_into_an_fp32_buffer() -> None:
+    """megatron-core's fallback `torch.matmul(..., out=main_grad)`: with bf16 activations and an fp32 buffer
+    torch refuses the `out=`; the fix computes the product and copies it in (casting to the buffer's dtype)."""
+    code, fixed = _example("MG007", 2)
+    x = torch.randn(8, 3).to(torch.bfloat16)
+    dy = torch.randn(8, 2).to(torch.bfloat16)
+
+    def weight() -> types.SimpleNamespace:
+        buffer = torch.zeros(2, 3, dtype=torch.float32)
+        return types.SimpleNamespace(get_main_grad=lambda: buffer, main_grad=None)
+
+    with pytest.raises(RuntimeError):
+        typing.cast(Callable[..., None], _load(code)["backward"])(weight(), x, dy)
+    w = weight()
+    typing.cast(Callable[..., None], _load(fixed)["backward"])(w, x, dy)
+    assert w.main_grad.dtype == torch.float32
+    torch.testing.assert_close(w.main_grad, (dy.t() @ x).float())
+
+
+def test_mg007_cast_fix_keeps_the_accumulator_exact() -> None:
+    """A wgrad rounded to bf16 before `add_` loses the fp32 accumulator's precision; the fix adds it as is."""
+    code, fixed = _example("MG007", 5)
+    x = torch.randn(16, 3, dtype=torch.float32)
+    dy = torch.randn(16, 2, dtype=torch.float32)
+
+    def run(source: str) -> torch.Tensor:
+        w = types.SimpleNamespace(main_grad=torch.zeros(2, 3), dtype=torch.bfloat16)
+        typing.cast(Callable[..., None], _load(source)["backward"])(None, w, x, dy)
+        return w.main_grad
+
+    exact = 2 * (dy.t().matmul(x))
+    assert not torch.equal(run(code), exact)  # the bug: each add rounded to bf16
+    torch.testing.assert_close(run(fixed), exact, rtol=0, atol=0)
