@@ -9,7 +9,7 @@ Everything is measured in this one run against baselines measured alongside it (
    hand-written hooks over a cached parameter list: one doing only the fix check (`getattr(main_grad) is
    None`), one doing the same attribute reads as a record (main_grad, overwrite_main_grad,
    grad_added_to_main_grad, __fsdp_param__, dtype, shape, device, data_ptr) into a ring buffer.
-   Targets (issue 3): fix+record <= 1.5x the hand-written record hook; fix alone < 5 us at 128 parameters.
+   Targets: fix+record <= 1.5x the hand-written record hook; fix alone < 5 us at 128 parameters.
 2. TE modules under Megatron-FSDP's sharded gradients (main_grad None at every call, refreshed by TE): ns per
    forward and backward call of 1 and 2 parameters, on the fast paths and on the general path they replace.
    Then converting records to dicts at step boundaries (off the hot path), ns per record.

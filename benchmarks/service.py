@@ -28,7 +28,7 @@ MAINGRAD_TEST_POSTGRES_URL is set (dropped afterwards).
    template expansion (100 KB template x 2,000 results), and the largest report accepted by default (25,000
    SARIF results). Target: every peak under 512 MB.
 
-Targets (issue 4, acceptance 7): gate p99 <= 20 ms at 200 req/s; ingest >= 50,000 records/s.
+Targets: gate p99 <= 20 ms at 200 req/s; ingest >= 50,000 records/s.
 Everything is bounded: requests = rate x duration per step, batches fixed, and a hard time limit.
 """
 
@@ -433,8 +433,8 @@ def _memory_cases() -> list[tuple[str, str, bytes, dict[str, str]]]:
         + [b"a" * (1 << 20)] * 31
         + [b'"},"results":[]}]}']
     )
-    # Issue 25: N1 (an unclosed quote, then escapes and commas: 57 s of CPU in the old counter; "a", x 8.4 M:
-    # +1,460 MB) and N2 (20 runs x 25,000 results: +1 GB, accepted before the per-report cap).
+    # An unclosed quote, then escapes and commas (57 s of CPU in the old counter); "a", x 8.4 M
+    # (+1,460 MB); 20 runs x 25,000 results (+1 GB, accepted before the per-report cap).
     quote = gzip.compress(b'"' + b'\\"' * 1000 + b"," * 2_000_001, 9)
     strings = _gzip_parts([b'["a",'] + [b'"a",' * 100_000] * 79 + [b'"a"]'])  # 7.9 M: under the inflate cap
     small = {"ruleId": "R", "message": {"text": "m"}}

@@ -1,4 +1,4 @@
-"""Acceptance 2: observe mode never raises whatever it meets and records what it saw; remove() leaves no hook,
+"""Observe mode never raises whatever it meets and records what it saw; remove() leaves no hook,
 attribute or reference behind. Also: hooks never read tensor values (trap tensors), env overrides."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Acceptance 1: the emulated megatron-core 0.18.2 fused path fails under Megatron-FSDP without hooks and
+"""The emulated megatron-core 0.18.2 fused path fails under Megatron-FSDP without hooks and
 trains with `install(model)`, gradients equal to plain autograd, for every sharding strategy and 1/2/4
 micro-batches; plus what the overwrite policies do in the emulator (the GPU answers it for real)."""
 

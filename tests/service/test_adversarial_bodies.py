@@ -1,4 +1,4 @@
-"""Any body within the size caps costs a bounded amount of server CPU and memory (issue N1/N2).
+"""Any body within the size caps costs a bounded amount of server CPU and memory.
 
 A real server process (SQLite) receives the audit's reproducers and Hypothesis-generated adversarial bodies
 (quotes, escapes, nesting, many small values), each filled up to the decompressed-size cap and sent gzipped.

@@ -1,4 +1,4 @@
-"""Issue 25: the gate at 100k findings on both databases (N3), long writes in short transactions (N2), admission
+"""The gate at 100k findings on both databases (N3), long writes in short transactions (N2), admission
 per project and on requests being processed (N4), complete runtime evidence (N5), the CLI's deadline and
 Retry-After (N6, N7), and database errors told apart (N8)."""
 
