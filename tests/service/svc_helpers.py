@@ -309,3 +309,10 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+
+def login_nonce(client: Any) -> str:
+    """The sign-in form's one-time nonce (its cookie is now in the client's jar): POST /login needs both."""
+    page = client.get("/login")
+    assert page.headers["cache-control"] == "no-store"
+    return page.text.split('name="csrf" value="', 1)[1].split('"', 1)[0]

@@ -426,6 +426,8 @@ class _Trickle:
                 conn, _ = self.sock.accept()
             except TimeoutError:
                 continue
+            except OSError:  # the socket was closed while waiting: the test is over
+                return
             self.requests += 1
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 

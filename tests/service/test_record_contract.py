@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import ProjectCtx
-from svc_helpers import ndjson, record
+from svc_helpers import login_nonce, ndjson, record
 
 from maingrad.contracts import records as contract
 from maingrad.contracts.anomalies import ANOMALIES
@@ -142,7 +142,9 @@ def test_the_run_page_shows_anomaly_meanings_and_counts_distinct_parameters(proj
     assert [m["params"] for m in run["modules"]] == [4, 4]
     assert [m["params"] for m in run["ranks"]] == [8]  # names alone would say 4
     project.client.cookies.clear()
-    assert project.client.post("/login", data={"token": project.tokens["read"]}).status_code == 200
+    nonce = login_nonce(project.client)
+    r = project.client.post("/login", data={"token": project.tokens["read"], "csrf": nonce})
+    assert r.status_code == 200
     page = project.client.get(f"/projects/{project.name}/runs/dash").text
     project.client.cookies.clear()
     codes = page[

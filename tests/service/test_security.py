@@ -11,7 +11,7 @@ import pytest
 from conftest import new_project
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
-from svc_helpers import admin_headers, finding, ndjson, record, report, sha
+from svc_helpers import admin_headers, finding, login_nonce, ndjson, record, report, sha
 
 from maingrad.service.models import Alert, Analysis, Project, Record, Run, Token
 
@@ -233,13 +233,6 @@ def test_static_path_traversal(client: TestClient, path: str) -> None:
     assert "MAINGRAD" not in r.text and "[project]" not in r.text
 
 
-def _csrf(client: TestClient) -> str:
-    """The sign-in form's nonce (its cookie is now in the client's jar)."""
-    page = client.get("/login")
-    assert page.headers["cache-control"] == "no-store"
-    return page.text.split('name="csrf" value="', 1)[1].split('"', 1)[0]
-
-
 def test_login_csrf_is_refused(client: TestClient, target: Target) -> None:
     """Login CSRF: another site posts its own token to /login to sign the visitor in as itself."""
     client.cookies.clear()
@@ -250,7 +243,7 @@ def test_login_csrf_is_refused(client: TestClient, target: Target) -> None:
     ):
         r = client.post("/login", data=data, headers=headers, follow_redirects=False)
         assert r.status_code == 403 and "maingrad_token" not in r.headers.get("set-cookie", ""), r.text
-    nonce = _csrf(client)
+    nonce = login_nonce(client)
     r = client.post(
         "/login",
         data={"token": token, "csrf": nonce},
@@ -258,7 +251,7 @@ def test_login_csrf_is_refused(client: TestClient, target: Target) -> None:
         follow_redirects=False,
     )
     assert r.status_code == 403  # the right nonce, but posted from another origin
-    nonce = _csrf(client)
+    nonce = login_nonce(client)
     r = client.post("/login", data={"token": token, "csrf": nonce}, follow_redirects=False)
     assert r.status_code == 303 and "maingrad_token=" in r.headers["set-cookie"]
     client.cookies.clear()
@@ -271,14 +264,18 @@ def test_dashboard_requires_login(client: TestClient, target: Target) -> None:
         assert r.status_code == 303 and r.headers["location"] == "/login"
     client.cookies.clear()
     r = client.post(
-        "/login", data={"token": target.other.tokens["read"], "csrf": _csrf(client)}, follow_redirects=False
+        "/login",
+        data={"token": target.other.tokens["read"], "csrf": login_nonce(client)},
+        follow_redirects=False,
     )
     assert r.status_code == 303
     # The other project's token cannot see this project's pages.
     page = client.get(f"/projects/{target.p.name}")
     assert page.status_code == 404 and page.headers["cache-control"] == "no-store"
     client.cookies.clear()
-    r = client.post("/login", data={"token": target.revoked, "csrf": _csrf(client)}, follow_redirects=False)
+    r = client.post(
+        "/login", data={"token": target.revoked, "csrf": login_nonce(client)}, follow_redirects=False
+    )
     assert (
         r.status_code == 200
         and "revoked" in r.text
