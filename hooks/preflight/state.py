@@ -70,7 +70,7 @@ def fp8_state_pairs(model: torch.nn.Module) -> list[RngPair]:
         meta = getattr(module, "fp8_meta", None)
         if not isinstance(meta, dict):
             continue
-        for value in cast(dict[Any, Any], meta).values():
+        for value in meta.values():
             add(value)
             attrs = getattr(value, "__dict__", None)
             if isinstance(attrs, dict):
