@@ -251,6 +251,18 @@ def test_login_csrf_is_refused(client: TestClient, target: Target) -> None:
         follow_redirects=False,
     )
     assert r.status_code == 403  # the right nonce, but posted from another origin
+    client.cookies.clear()
+    r = client.post(
+        "/login", data={"token": token, "csrf": "guessed"}, headers={"Origin": "null"}, follow_redirects=False
+    )
+    assert r.status_code == 403  # a sandboxed cross-site form: Origin null and no Strict cookie
+    # The dashboard's own form: its no-referrer pages make Chromium send `Origin: null` with the nonce.
+    nonce = login_nonce(client)
+    r = client.post(
+        "/login", data={"token": token, "csrf": nonce}, headers={"Origin": "null"}, follow_redirects=False
+    )
+    assert r.status_code == 303 and "maingrad_token=" in r.headers["set-cookie"]
+    client.cookies.clear()
     nonce = login_nonce(client)
     r = client.post("/login", data={"token": token, "csrf": nonce}, follow_redirects=False)
     assert r.status_code == 303 and "maingrad_token=" in r.headers["set-cookie"]
