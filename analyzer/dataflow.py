@@ -101,19 +101,13 @@ def reads_attribute_value(
     """Does `expr` read the value of attribute `attr` of some object: `X.attr`, `getattr(X, "attr"[, d])`, or a
     local name bound to such an expression (through up to four names)? `hasattr(X, "attr")` asks whether the
     attribute exists, not what it holds, and does not count."""
-    for node in walk.walk(expr):
-        if isinstance(node, cst.Attribute) and node.attr.value == attr:
-            return True
+
+    def reads(node: cst.CSTNode) -> bool:
+        if isinstance(node, cst.Attribute):
+            return node.attr.value == attr
         if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "getattr":
-            args = node.args
-            key = args[1].value if len(args) >= 2 else None
-            if isinstance(key, cst.SimpleString) and key.evaluated_value == attr:
-                return True
-        if (
-            depth < 4
-            and isinstance(node, cst.Name)
-            and node.value in bindings
-            and any(reads_attribute_value(v, attr, bindings, depth + 1) for v in bindings[node.value])
-        ):
-            return True
-    return False
+            key = node.args[1].value if len(node.args) >= 2 else None
+            return isinstance(key, cst.SimpleString) and key.evaluated_value == attr
+        return False
+
+    return derives_from(expr, reads, bindings, depth)
