@@ -76,7 +76,7 @@ from maingrad.hooks.preflight.measure import (
     unit_roundoff,
 )
 from maingrad.hooks.preflight.result import ParamResult, PreflightResult, Probe
-from maingrad.hooks.preflight.state import BufferState, RngPair, RngState, fp8_state_pairs
+from maingrad.hooks.preflight.state import BufferState, RngPair, RngState, StepStart, fp8_state_pairs
 from maingrad.hooks.preflight.wrappers import Adapter, Entry, choose
 
 RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
@@ -214,6 +214,7 @@ class Check:
         self.probes: list[Probe] = []
         self.noise = 0.0
         self.rng = RngState([*fp8_state_pairs(model), *rng_states])
+        self.step_start = StepStart(model)
         self.synced = False  # prepare() or commit() ran after the last change of the weights
         self.zeroed = False  # zero() ran after the last backward
         self.uninstalled = False  # weights moved or restored in place since the last commit()
@@ -311,6 +312,7 @@ class Check:
             self.stats.add("stale2", stale, norms(some(left, stale)) ** 2)
             self.stats.add("stale_n", stale, torch.ones(len(stale)), shard_sum=False)
         del left
+        self.step_start.begin()
         for b in which:
             loss = self._microbatch(self.batches[b])
             if key == "s0" and self.loss_fn is None:
@@ -393,6 +395,7 @@ class Check:
 
     # -- loss evaluations ---------------------------------------------------------------------------------------
     def _loss(self, batch: Any) -> torch.Tensor:
+        self.step_start.begin()  # the weights moved: a new step's FP8 cast
         if self.loss_fn is not None:
             self.rng.apply()
             self.forwards += 1
@@ -841,6 +844,7 @@ def _execute(check: Check) -> PreflightResult:
         adapter.restore_user_grads()
         buffers.restore()
         check.rng.apply()
+        check.step_start.restore()
     if error is None and check.invisible:
         error = (
             "the finite-difference perturbations never changed the loss although the reported gradients say "

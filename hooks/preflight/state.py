@@ -13,6 +13,10 @@ scaling updates at every forward) is fixed the same way: without it each run wou
 previous run left, a gradient difference that is the recipe's, not the accumulation's, and preflight would
 leave the scales moved.
 
+megatron-core's per-step switch of TE's FP8 weight cache (`is_first_microbatch`) is set the way the training
+schedule sets it at the first micro-batch of every step (`StepStart`), before every run and every
+finite-difference forward, and put back afterwards.
+
 Module buffers (running statistics, routers' token counters, expert biases updated in forward) are copied
 once at the start and copied back at the end; parameters are restored by the finite-difference code itself.
 """
@@ -140,3 +144,39 @@ class BufferState:
                     buf.copy_(saved)
                 else:
                     buf.data = saved
+
+
+class StepStart:
+    """megatron-core's TE wrappers keep `is_first_microbatch`: while True, TE casts the weights to FP8 again
+    (and caches them) and writes `main_grad` instead of adding to it; every forward sets it False; the training
+    schedule sets it True through the model's `set_is_first_microbatch()` at the first micro-batch of each step
+    (a no-op unless FP8/FP4 is on). preflight starts every run and every finite-difference forward as a new
+    step in the same way: otherwise a forward after the weights moved computes with the FP8 copies cast before
+    (the loss does not move with the probe) and a repeated micro-batch quantizes with another cache than its
+    first run. `restore()` puts every module's flag back."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.setters: list[Callable[[], Any]] = []
+        self._find(model)
+        self.flags = [
+            (m, m.is_first_microbatch)
+            for m in model.modules()
+            if isinstance(getattr(m, "is_first_microbatch", None), bool)
+        ]
+
+    def _find(self, module: torch.nn.Module) -> None:
+        """The outermost modules with a callable `set_is_first_microbatch` (each covers its own subtree)."""
+        setter = getattr(module, "set_is_first_microbatch", None)
+        if callable(setter):
+            self.setters.append(setter)
+            return
+        for child in module.children():
+            self._find(child)
+
+    def begin(self) -> None:
+        for setter in self.setters:
+            setter()
+
+    def restore(self) -> None:
+        for module, flag in self.flags:
+            module.is_first_microbatch = flag

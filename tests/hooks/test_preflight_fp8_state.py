@@ -84,3 +84,93 @@ def test_without_the_state_pairs_the_drift_reads_as_a_gradient_anomaly(monkeypat
     model.zero_grad()
     result = maingrad.hooks.preflight(model, _run, batches, loss_fn=_loss)
     assert result.status != "pass"
+
+
+class CachedCastLinear(torch.nn.Module):
+    """megatron-core's TE wrapper with FP8 weight caching: while `is_first_microbatch` is True the forward casts
+    the weight again (rounded, as an FP8 cast would) and caches it; every forward sets the flag False."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+        self.is_first_microbatch = True
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first_microbatch or self.cache is None:
+            self.cache = self.weight.detach().clone()
+        self.is_first_microbatch = False
+        # the forward computes with the cached cast; the gradient flows to the weight (straight through)
+        w = self.weight + (self.cache - self.weight).detach()
+        return x @ w.t()
+
+
+class CachedCastModel(torch.nn.Module):
+    """A model with megatron-core's `set_is_first_microbatch()`: a no-op unless FP8 is on."""
+
+    def __init__(self, fp8: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fp8 = fp8
+        self.net = torch.nn.Sequential(CachedCastLinear(8, 16), torch.nn.Tanh(), CachedCastLinear(16, 4))
+
+    def set_is_first_microbatch(self) -> None:
+        if self.fp8:
+            for m in self.modules():
+                if hasattr(m, "is_first_microbatch"):
+                    m.is_first_microbatch = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_every_run_and_probe_starts_a_step_like_the_training_schedule() -> None:
+    """With the FP8 cache, a forward after the weights moved computes with the old cast unless the step's
+    switch is set: preflight sets it the way the schedule does (through the model's own method), so the
+    finite differences see their moves and the flags are as they were afterwards."""
+    model = CachedCastModel(fp8=True)
+    batches = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    _run(model, batches[0])  # a forward left every flag False, as after the first micro-batch of a step
+    model.zero_grad()
+    flags = [m.is_first_microbatch for m in model.modules() if hasattr(m, "is_first_microbatch")]
+    result = maingrad.hooks.preflight(model, _run, batches, loss_fn=_loss)
+    assert result.status == "pass", result.table()
+    assert [m.is_first_microbatch for m in model.modules() if hasattr(m, "is_first_microbatch")] == flags
+
+
+def test_without_the_step_switch_the_probes_do_not_move_the_loss(monkeypatch) -> None:
+    """The stand-in is strong enough to matter: never starting a step, the forward keeps the first cast."""
+    from maingrad.hooks.preflight import state
+
+    monkeypatch.setattr(state.StepStart, "begin", lambda self: None)
+    model = CachedCastModel(fp8=True)
+    batches = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    _run(model, batches[0])
+    model.zero_grad()
+    result = maingrad.hooks.preflight(model, _run, batches, loss_fn=_loss)
+    assert result.status != "pass"
+
+
+def test_the_switch_is_the_models_own_a_bf16_model_keeps_accumulating() -> None:
+    """Without FP8 the model's `set_is_first_microbatch()` does nothing, and preflight does not set the flags
+    itself (in training they stay False after the first forward: TE keeps adding into main_grad)."""
+    model = CachedCastModel(fp8=False)
+    seen: list[bool] = []
+    linear = model.net[0]
+    original = CachedCastLinear.forward
+
+    def spy(self: CachedCastLinear, x: torch.Tensor) -> torch.Tensor:
+        if self is linear:
+            seen.append(self.is_first_microbatch)
+        return original(self, x)
+
+    CachedCastLinear.forward = spy  # type: ignore[method-assign]
+    try:
+        batches = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        _run(model, batches[0])
+        model.zero_grad()
+        seen.clear()
+        maingrad.hooks.preflight(model, _run, batches, loss_fn=_loss, finite_differences=False)
+    finally:
+        CachedCastLinear.forward = original  # type: ignore[method-assign]
+    assert seen and not any(seen)
