@@ -22,12 +22,15 @@ Runs (each from zeroed buffers, every micro-batch from the caller's random state
 With one micro-batch the sequence is (A, A) against 2 G(A).
 
 Finite differences (`measure.py` for the estimate): on the first micro-batch's loss, along its reported
-gradient, per group (one per fused-wgrad kind and parent module type, one for plain autograd), central
-differences at two steps that must agree within the measured noise; a group whose factor differs from 1 by
+gradient, per group (one per fused-wgrad kind, one for plain autograd), central
+differences at two steps that must agree within the measured noise (the first pair of steps chosen from the
+measured noise and the predicted change, so that rounding stays a small part of the error bar); a group
+whose factor differs from 1 by
 more than its error bar is bisected (one half evaluated, the other inferred from the parent by linearity of
 the derivative) down to the parameters responsible; parameters whose reported gradient is zero are probed
 along a random direction in their own subspace (bisected the same way where the loss moves). Cost: 2 loss
-forwards for the noise + 4 per group, + 2 per further step, + 4 per bisection split.
+forwards for the noise + 4 per group, + 2 per further step, + 4 per bisection split (the 541M GPT of
+docs/gpu-evidence.md: 3 groups, 14 forwards when every first pair is accepted).
 
 Memory: one copy of the gradients (G(first), then the sum of the singles, minus G(sequence) in place) rounded
 to the narrowest of bf16 and fp32 whose unit round-off is at most 1/8 of the linearity tolerance; the subsets
@@ -55,6 +58,7 @@ from maingrad.hooks.preflight import judge
 from maingrad.hooks.preflight.measure import (
     E_MAX,
     STEP0,
+    STEP_MAX,
     Z_MOVE,
     ZERO_STEP0,
     Dist,
@@ -76,7 +80,14 @@ from maingrad.hooks.preflight.measure import (
     unit_roundoff,
 )
 from maingrad.hooks.preflight.result import ParamResult, PreflightResult, Probe
-from maingrad.hooks.preflight.state import BufferState, RngPair, RngState, StepStart, fp8_state_pairs
+from maingrad.hooks.preflight.state import (
+    BufferState,
+    RngPair,
+    RngState,
+    StepStart,
+    fp8_state_pairs,
+    fp8_tensors,
+)
 from maingrad.hooks.preflight.wrappers import Adapter, Entry, choose
 
 RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
@@ -84,6 +95,9 @@ LossFn = Callable[[torch.nn.Module, Any], Any]
 FD_GROUPS: tuple[str, ...] = ("mechanism", "module_type", "param")
 MAX_MICROBATCHES = 16  # taken from an iterator at most (a list must not be longer: say so, never cut it)
 MIN_DISTINCT = 3
+FP8_FD_RTOL = 0.25  # 4 units of e4m3's round-off: an FP8 weight's factor within 1.25 is not judged
+NOISE_SHARE = 2  # the first pair's smaller step: noise at most E_MAX / NOISE_SHARE of the predicted change
+CANDIDATE_STEPS = [2.0**-k for k in range(4, 21)]  # where the first pair is chosen (largest first)
 UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
 
 
@@ -126,17 +140,50 @@ class _Moves:
             if f is None:
                 self.tnorm[i] = float(norm(check.adapter.target(check.entries[i])))
         self.nonzero = [i for i in present if self.gnorm[i] > 0 and math.isfinite(self.gnorm[i])]
+        self.nonzero_set = set(self.nonzero)
 
     def size(self, i: int, t: torch.Tensor) -> float:
         """|move| per unit step: the weights' norm (at least sqrt(numel) x 2^-7, for weights initialised to 0)."""
         return max(self.tnorm[i], math.sqrt(t.numel()) * 2.0**-7)
 
-    def along(self, step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        def delta(i: int, t: torch.Tensor) -> torch.Tensor:
-            g = cast(torch.Tensor, self.directions[i])
-            return g.float().view(t.shape) * (step * self.size(i, t) / self.gnorm[i])
+    def rounded_gains(self, groups: list[list[int]]) -> list[list[float]]:
+        """Per group and CANDIDATE_STEPS step: the predicted change <G, move> with each move rounded as the
+        forward will see it, estimated on each weight's subset (scaled up by numel / subset size). One host
+        transfer."""
+        check = self.check
+        steps = torch.tensor(CANDIDATE_STEPS, dtype=torch.float64)
+        totals: list[torch.Tensor] = []
+        for indexes in groups:
+            total: torch.Tensor | None = None
+            for i in indexes:
+                e = check.entries[i]
+                t = check.adapter.target(e)
+                g = cast(torch.Tensor, self.directions[i])
+                off, stride, count = check.subsets.pick(i, t.numel())
+                if count <= 0:
+                    continue
+                w = t.detach().reshape(-1)[off::stride][:count]
+                gs = g.reshape(-1)[off::stride][:count].float()
+                cdt = check.adapter.compute_dtype(e)
+                st = steps.to(device=w.device, dtype=torch.float32)[:, None]
+                new = (w.float()[None, :] + st * (gs[None, :] * (self.size(i, t) / self.gnorm[i]))).to(
+                    w.dtype
+                )
+                moved = new.to(cdt).float() - w.to(cdt).float()[None, :]
+                part = (moved * gs[None, :]).sum(dim=1, dtype=torch.float64) * (t.numel() / count)
+                total = part if total is None else total + part.to(total.device)
+            totals.append(
+                total if total is not None else torch.zeros(len(CANDIDATE_STEPS), dtype=torch.float64)
+            )
+        if not totals:
+            return []
+        device = totals[0].device
+        values = torch.stack([x.to(device) for x in totals])
+        values = check.dist.sum_stats(values)
+        return cast(list[list[float]], values.cpu().tolist())
 
-        return delta
+    def along(self, step: float) -> _Along:
+        return _Along(self, step)
 
     def random(self, step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """Zero reported gradient: along the weights themselves (radial: no dilution by sqrt(numel)) plus a
@@ -157,6 +204,22 @@ class _Moves:
         return d * t.float().abs() * (2 * u)
 
 
+class _Along:
+    """The move along the reported gradient at one step: weight i moves by factor(i) x its gradient copy
+    (`_evaluate` adds it in place, without an fp32 temporary of the whole parameter)."""
+
+    def __init__(self, moves: _Moves, step: float) -> None:
+        self.moves = moves
+        self.step = step
+
+    def factor(self, i: int, t: torch.Tensor) -> float:
+        return self.step * self.moves.size(i, t) / self.moves.gnorm[i]
+
+    def __call__(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        g = cast(torch.Tensor, self.moves.directions[i])
+        return g.float().view(t.shape) * self.factor(i, t)
+
+
 class Check:
     """One preflight call: the runs, the finite differences and the bookkeeping of the wrapper's calls."""
 
@@ -171,7 +234,7 @@ class Check:
         params: str | Sequence[str] | None,
         finite_differences: bool,
         fd_groups: str,
-        fd_step: float,
+        fd_step: float | None,
         fd_rtol: float | None,
         rtol: float | None,
         rng_states: Sequence[RngPair],
@@ -214,7 +277,10 @@ class Check:
         self.probes: list[Probe] = []
         self.noise = 0.0
         self.rng = RngState([*fp8_state_pairs(model), *rng_states])
+        self.fp8_known = {id(t) for t in fp8_tensors(model)}
         self.step_start = StepStart(model)
+        self.owners = {id(p): m for m in model.modules() for p in m._parameters.values() if p is not None}
+        self.fp8_entries: set[int] = set()  # parameters whose module computed in FP8 (known after a run)
         self.synced = False  # prepare() or commit() ran after the last change of the weights
         self.zeroed = False  # zero() ran after the last backward
         self.uninstalled = False  # weights moved or restored in place since the last commit()
@@ -231,10 +297,8 @@ class Check:
             group = e.name
         elif self.fd_groups == "module_type":
             group = f"{mechanism}:{module_type}"
-        elif kind is not None:
-            group = f"{mechanism}:{e.parent_type}"
         else:
-            group = "autograd"
+            group = mechanism
         return ParamResult(
             name=e.name,
             module=e.module,
@@ -258,10 +322,38 @@ class Check:
 
     def fd_tolerance(self, i: int) -> float:
         """How far a reported gradient may differ from the loss's derivative beyond the estimate's error bar:
-        16 units of round-off of the compute dtype (the backward's own rounding), or the caller's fd_rtol."""
+        16 units of round-off of the compute dtype (the backward's own rounding), FP8_FD_RTOL for a weight of
+        a module that computes in FP8 (its forward and backward GEMMs round operands to 3 or 2 mantissa bits),
+        or the caller's fd_rtol."""
         if self.fd_rtol is not None:
             return self.fd_rtol
+        if i in self.fp8_entries:
+            return FP8_FD_RTOL
         return 16 * unit_roundoff(self.adapter.compute_dtype(self.entries[i]))
+
+    def adopt_fp8_state(self) -> bool:
+        """After the first run: TE creates its FP8 scaling state at a module's first FP8 forward, so a model that
+        never ran one ran that micro-batch with fresh scales and left new ones. Fix the new state from now on
+        and say whether the run must be repeated (every run must start from the same state). Also notes which
+        parameters computed in FP8."""
+        self.fp8_entries = {
+            i
+            for i, e in enumerate(self.entries)
+            if getattr(self.owners.get(id(e.raw_param)), "fp8", False) is True
+        }
+        new = [t for t in fp8_tensors(self.model) if id(t) not in self.fp8_known]
+        if not new:
+            return False
+        self.fp8_known.update(id(t) for t in new)
+        self.rng.adopt(fp8_state_pairs(self.model))
+        self.stats = Stats(len(self.entries), self.dist)
+        self.subsets = Subsets(self.entries)
+        self.present = {}
+        self.copy = [None] * len(self.entries)
+        self.copy_bytes = 0
+        self.copy_dtypes = set()
+        self.first_loss = None
+        return True
 
     # -- the wrapper's calls ----------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -434,18 +526,23 @@ class Check:
             self.synced, self.uninstalled = False, True  # the weights move from here on
             with torch.no_grad():
                 for i, t, old in zip(indexes, targets, saved, strict=True):
-                    d = delta(i, t)
-                    t.add_(d, alpha=sign)
-                    del d
                     g = grads[i]
+                    if isinstance(delta, _Along) and g is not None and g.numel() == t.numel():
+                        t.add_(g.view(t.shape), alpha=sign * delta.factor(i, t))
+                    else:
+                        d = delta(i, t)
+                        t.add_(d, alpha=sign)
+                        del d
                     if g is None:
                         continue
                     cdt = adapter.compute_dtype(self.entries[i])
                     if cdt == t.dtype:
-                        moved = t.float() - old.float()
+                        # two nearby numbers of one format differ by a number of that format (Sterbenz): the
+                        # move as the forward sees it, in t's own dtype, without fp32 copies of both
+                        moved = torch.sub(t, old).reshape(-1)
                     else:
-                        moved = t.to(cdt).float() - old.to(cdt).float()
-                    parts.append((moved.reshape(-1) * g.float()).sum(dtype=torch.float64))
+                        moved = (t.to(cdt).float() - old.to(cdt).float()).reshape(-1)
+                    parts.append(torch.sum(moved * g, dtype=torch.float64))
                     del moved
             self._commit()
             loss = self._loss(self.batches[0])
@@ -470,15 +567,16 @@ class Check:
         roots: list[_Node] = []
         for (key, zero), indexes in groups.items():
             roots.append(self._node(key + (" (zero gradient)" if zero else ""), indexes, zero, 0))
+        if moves.nonzero:
+            self._round(moves, [], True)  # the noise first: it sets the first steps
+        first_steps = self._first_steps(roots, moves)
         requests: list[tuple[_Node, float]] = []
         for node in roots:
-            s0 = ZERO_STEP0 if node.zero else max(self.fd_step, 4 * node.probe.unit)  # moves of >= 4 units
+            s0 = ZERO_STEP0 if node.zero else first_steps[id(node)]
             requests += [(node, s0), (node, s0 / 2)]
         waiting: list[_Node] = []
-        first = True
         while requests:
-            touched = self._round(moves, requests, first)
-            first = False
+            touched = self._round(moves, requests, False)
             requests = []
             for node in touched:
                 if node.zero:
@@ -491,6 +589,33 @@ class Check:
                     requests += self._judge(node, self.zero_noise)
                 waiting = []
         self._check_visible(roots)
+
+    def _first_steps(self, roots: list[_Node], moves: _Moves) -> dict[int, float]:
+        """The larger step of each probe's first pair (keyed by id of the node): the caller's fd_step, else twice
+        the smallest power of two at which the measured noise is at most E_MAX / NOISE_SHARE of the predicted
+        change. Truncation grows with the step and rounding shrinks, so the smallest step where rounding is
+        small enough is where two steps most often agree at once (measured on the H200 zoo: every group of
+        the dense models at its first pair). The predicted change is estimated before any forward on each
+        weight's subset, with the move rounded to the dtype the forward computes in: in bf16 most elements of
+        a small move round to nothing, so the change is far below step x |w| x |g| there. With an fp32 (or
+        wider) forward, rounding allows tiny steps; the first step stays at least STEP0 there, where the
+        estimate is more precise."""
+        out: dict[int, float] = {}
+        nodes = [n for n in roots if not n.zero]
+        if self.fd_step is not None or not nodes:
+            return {id(n): self.fd_step if self.fd_step is not None else STEP0 for n in nodes}
+        gains = moves.rounded_gains([[i for i in n.indexes if i in moves.nonzero_set] for n in nodes])
+        self.syncs += 1
+        threshold = max(self.noise, self._floor()) * NOISE_SHARE / E_MAX
+        for node, gain in zip(nodes, gains, strict=True):
+            # the change grows with the step: the steps above the threshold are the larger ones
+            ok = [st for st, g in zip(CANDIDATE_STEPS, gain, strict=True) if abs(g) >= threshold]
+            step = min(2 * ok[-1], STEP_MAX) if ok else STEP_MAX
+            wide = all(
+                unit_roundoff(self.adapter.compute_dtype(self.entries[i])) <= 2.0**-20 for i in node.indexes
+            )
+            out[id(node)] = max(step, STEP0) if wide else step
+        return out
 
     def _round(self, moves: _Moves, requests: list[tuple[_Node, float]], first: bool) -> list[_Node]:
         """Evaluate every requested (probe, step) at +- the step (and, in the first round, the noise), install
@@ -693,7 +818,7 @@ def preflight(
     params: str | Sequence[str] | None = None,
     finite_differences: bool = True,
     fd_groups: str = "mechanism",
-    fd_step: float = STEP0,
+    fd_step: float | None = None,
     fd_rtol: float | None = None,
     rtol: float | None = None,
     max_microbatches: int = MAX_MICROBATCHES,
@@ -705,22 +830,23 @@ def preflight(
     label: str | None = None,
 ) -> PreflightResult:
     """Check gradient accumulation and the gradient itself on `model` (already wrapped), with the training
-    code's own micro-batch.
+        code's own micro-batch.
 
-    run_microbatch(model, batch): forward + backward of one micro-batch, as in training.
-    batches: the micro-batches of one step, all of them used (a list longer than `max_microbatches` is an
-    error, an iterator is read up to it); at least 3 distinct ones rule out periodic errors (fewer: a warning).
-    loss_fn(model, batch): the loss without backward, for the finite differences (without it they call
-    run_microbatch and read its return value: one backward more per evaluation).
-    wrapper: "auto" (duck typing), "megatron-fsdp", "megatron-ddp", "fsdp2", "plain", or an Adapter.
-    params: fnmatch patterns over parameter names (wrapper prefixes `module.` removed) to judge; default all.
-    finite_differences: compare with the loss's derivative; fd_groups: "mechanism" (default), "module_type",
-    "param" (the starting groups; deviating groups are bisected anyway); fd_step: the first relative step;
-    fd_rtol: accepted factor 1 + fd_rtol beyond the error bar (default 16 units of the compute dtype's
-    round-off). rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state)
-    pairs to reset before every micro-batch. sinks, run, rank, commit: as for install(); label: a name.
-    Returns a PreflightResult; it never raises for what the model does (an exception from the micro-batch is
-    the result's `error`), only for bad arguments.
+        run_microbatch(model, batch): forward + backward of one micro-batch, as in training.
+        batches: the micro-batches of one step, all of them used (a list longer than `max_microbatches` is an
+        error, an iterator is read up to it); at least 3 distinct ones rule out periodic errors (fewer: a warning).
+        loss_fn(model, batch): the loss without backward, for the finite differences (without it they call
+        run_microbatch and read its return value: one backward more per evaluation).
+        wrapper: "auto" (duck typing), "megatron-fsdp", "megatron-ddp", "fsdp2", "plain", or an Adapter.
+        params: fnmatch patterns over parameter names (wrapper prefixes `module.` removed) to judge; default all.
+        finite_differences: compare with the loss's derivative; fd_groups: "mechanism" (default), "module_type",
+        "param" (the starting groups; deviating groups are bisected anyway); fd_step: the first relative step
+    (default: from the measured noise and each group's predicted change);
+        fd_rtol: accepted factor 1 + fd_rtol beyond the error bar (default 16 units of the compute dtype's
+        round-off). rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state)
+        pairs to reset before every micro-batch. sinks, run, rank, commit: as for install(); label: a name.
+        Returns a PreflightResult; it never raises for what the model does (an exception from the micro-batch is
+        the result's `error`), only for bad arguments.
     """
     from maingrad.hooks.records import RunMeta
     from maingrad.hooks.settings import resolve_commit, resolve_rank, resolve_run
@@ -734,7 +860,7 @@ def preflight(
         raise TypeError("loss_fn must be callable as loss_fn(model, batch)")
     if fd_groups not in FD_GROUPS:
         raise ValueError(f"fd_groups must be one of {FD_GROUPS}, got {fd_groups!r}")
-    if not (0.0 < fd_step < 1.0):
+    if fd_step is not None and not (0.0 < fd_step < 1.0):
         raise ValueError("fd_step must be in (0, 1)")
     if fd_rtol is not None and not (fd_rtol > 0.0):
         raise ValueError("fd_rtol must be > 0")
@@ -814,6 +940,8 @@ def _execute(check: Check) -> PreflightResult:
 
     try:
         check.first()
+        if check.adopt_fp8_state():
+            check.first()  # from the FP8 scaling state the first run created, as every later run
         lap("runs")
         if check.finite_differences:
             check.fd()
@@ -995,7 +1123,7 @@ def _classify(check: Check) -> dict[str, Any]:
             if check.fd_rtol is None
             else f"fd_rtol={check.fd_rtol}"
         ),
-        "fd_first_step": check.fd_step,
+        "fd_first_step": check.fd_step if check.fd_step is not None else "from the noise",
         "fd_noise": check.noise,
         "fd_zero_noise": check.zero_noise,
         "repeat": "the first micro-batch is repeated only where a verdict failed",

@@ -62,6 +62,25 @@ def _megatron_trackers() -> list[RngPair]:
 def fp8_state_pairs(model: torch.nn.Module) -> list[RngPair]:
     """One (get_state, set_state) pair over the tensors of every TE module's `fp8_meta` (the values and the
     tensor attributes of its recipe-state objects: amax history, scale, scale_inv), restored in place."""
+    tensors = fp8_tensors(model)
+    if not tensors:
+        return []
+
+    def get() -> Any:
+        return [t.detach().clone() for t in tensors]
+
+    def put(states: Any) -> None:
+        with torch.no_grad():
+            for tensor, saved in zip(tensors, cast(list[torch.Tensor], states), strict=True):
+                if tensor.shape == saved.shape:
+                    tensor.copy_(saved)
+
+    return [(get, put)]
+
+
+def fp8_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors of every TE module's `fp8_meta`. TE creates them at a module's first FP8 forward: a model
+    that never ran one has none yet (`Check` then adopts them after its first run and starts over)."""
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
 
@@ -80,19 +99,7 @@ def fp8_state_pairs(model: torch.nn.Module) -> list[RngPair]:
             if isinstance(attrs, dict):
                 for attr in cast(dict[str, Any], attrs).values():
                     add(attr)
-    if not tensors:
-        return []
-
-    def get() -> Any:
-        return [t.detach().clone() for t in tensors]
-
-    def put(states: Any) -> None:
-        with torch.no_grad():
-            for tensor, saved in zip(tensors, cast(list[torch.Tensor], states), strict=True):
-                if tensor.shape == saved.shape:
-                    tensor.copy_(saved)
-
-    return [(get, put)]
+    return tensors
 
 
 class RngState:
@@ -111,6 +118,11 @@ class RngState:
         self._numpy = numpy
         self.numpy = numpy.random.get_state() if numpy is not None else None
         self.extra = [get() for get, _ in self._pairs]
+
+    def adopt(self, pairs: Sequence[RngPair]) -> None:
+        """Fix `pairs` too from now on, at their current values (state created after the snapshot was taken)."""
+        self._pairs += list(pairs)
+        self.extra += [get() for get, _ in pairs]
 
     def apply(self) -> None:
         torch.set_rng_state(self.cpu)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -702,6 +703,88 @@ def cost(case: Case, rounds: int) -> dict[str, Any]:
     return out
 
 
+# -- scan: the finite differences of every group at every step (what the step rule is chosen from) -------------
+SCAN_STEPS = [2.0**-k for k in range(3, 17)]
+
+
+def scan(case: Case) -> dict[str, Any]:
+    """Diagnostic, not a verdict: preflight's own probes (its Check, on the first micro-batch's gradient) at every
+    step of SCAN_STEPS for each starting group, the measured noise, each parameter's predicted change per unit
+    step, and the time of a loss forward, of one whole-model evaluation and of a forward+backward."""
+    import statistics
+
+    from maingrad.hooks.preflight import run as pr
+    from maingrad.hooks.preflight.state import BufferState
+    from maingrad.hooks.preflight.wrappers import choose
+
+    model, _cfg = build(case)
+    data = make_batches(case)
+    adapter = choose(model, "auto")
+    check = pr.Check(model, run_microbatch, data, loss_fn=loss_fn, adapter=adapter, params=None,
+                     finite_differences=True, fd_groups="mechanism", fd_step=None, fd_rtol=None, rtol=None,
+                     rng_states=())  # fmt: skip
+    buffers = BufferState(model)
+    adapter.save_user_grads()
+
+    def clock(call: Callable[[], Any], n: int) -> float:
+        times = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    out: dict[str, Any] = {"case": case.name, "params": sum(p.numel() for p in model.parameters())}
+    try:
+        check.first()
+        moves = pr._Moves(check)
+        check._round(moves, [], True)
+        out |= {"noise": check.noise, "floor": check._floor(), "loss": check.loss_level}
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(check.results):
+            if i in moves.nonzero_set:
+                groups.setdefault(r.group, []).append(i)
+        out["groups"] = {}
+        for key, idx in groups.items():
+            node = check._node(key, idx, False, 0)
+            check._round(moves, [(node, st) for st in SCAN_STEPS], False)
+            contrib = {check.entries[i].name: moves.size(i, adapter.target(check.entries[i])) * moves.gnorm[i]
+                       for i in idx}  # fmt: skip
+            out["groups"][key] = {
+                "n": len(idx),
+                "per_step": sum(contrib.values()),
+                "first_step": check._first_step(node, moves),
+                "levels": sorted((st, c, pp) for st, (c, pp) in node.levels.items()),
+                "contrib": contrib,
+            }
+        every = sorted(moves.nonzero_set)
+        with torch.no_grad():
+            out["forward_s"] = clock(lambda: loss_fn(model, data[0]), 5)
+        out["evaluation_s"] = clock(
+            lambda: check._evaluate(every, moves.along(2.0**-10), moves.directions, 1.0), 5
+        )
+        check._commit()
+        adapter.zero()
+        out["microbatch_s"] = clock(lambda: run_microbatch(model, data[0]), 3)
+    finally:
+        adapter.zero()
+        adapter.restore_user_grads()
+        buffers.restore()
+        check.rng.apply()
+        check.step_start.restore()
+    for key, g in out["groups"].items():
+        rs = " ".join(f"{c / pp:.3f}" if pp else "-" for _, c, pp in g["levels"])
+        say(
+            f"SCAN {case.name} {key} n={g['n']} first=2^{math.log2(g['first_step']):.0f} r(2^-16..2^-3): {rs}"
+        )
+    say(f"SCAN {case.name} forward {out['forward_s'] * 1e3:.1f} ms, evaluation {out['evaluation_s'] * 1e3:.1f} ms, "
+        f"forward+backward {out['microbatch_s'] * 1e3:.1f} ms, noise {out['noise']:.3g}")  # fmt: skip
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="+", help="case names, or 'zoo' / 'bugs' for all of them")
@@ -710,6 +793,7 @@ def main() -> None:
     p.add_argument(
         "--cost", type=int, default=0, help="instead: N interleaved rounds of steps and preflight calls"
     )
+    p.add_argument("--scan", action="store_true", help="instead: every group's estimate at every step")
     args = p.parse_args()
     names: list[str] = []
     for c in args.cases:
@@ -727,6 +811,18 @@ def main() -> None:
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     say(f"megatron-core {megatron.core.__version__}; TE {transformer_engine.__version__}; torch {torch.__version__}; "
         f"{torch.cuda.get_device_name(0)}")  # fmt: skip
+    if args.scan:
+        scans = []
+        for n in names:
+            try:
+                scans.append(scan(CASES[n]))
+            except Exception:  # noqa: BLE001 - a diagnostic: the next case still runs
+                traceback.print_exc(limit=6)
+            if args.json:
+                with open(args.json, "w", encoding="utf-8") as handle:
+                    json.dump(scans, handle, indent=1, default=str)
+        torch.distributed.destroy_process_group()
+        return
     if args.cost:
         costs = [cost(CASES[n], args.cost) for n in names]
         if args.json:

@@ -174,3 +174,31 @@ def test_the_switch_is_the_models_own_a_bf16_model_keeps_accumulating() -> None:
     finally:
         CachedCastLinear.forward = original  # type: ignore[method-assign]
     assert seen and not any(seen)
+
+
+class LazyDelayedScalingLinear(DelayedScalingLinear):
+    """TE creates a module's FP8 scaling state at its first FP8 forward: before that `fp8_meta` has no tensors."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out)
+        self.fp8_meta = {"recipe": "delayed"}
+        self.fp8 = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "scaling_fwd" not in self.fp8_meta:
+            self.fp8_meta["scaling_fwd"] = SimpleNamespace(amax_history=torch.zeros(4), scale=torch.ones(1))
+        self.fp8 = True
+        return super().forward(x)
+
+
+def test_scaling_state_created_by_the_first_run_is_adopted_and_that_run_repeated() -> None:
+    """A model that never ran an FP8 forward: its first run creates the state with fresh scales, every later run
+    would start from other ones. preflight adopts the new state and runs the first micro-batch again; the
+    weights that computed in FP8 are judged with FP8's tolerance."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(LazyDelayedScalingLinear(8, 16), torch.nn.Tanh(), LazyDelayedScalingLinear(16, 4))
+    batches = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    result = maingrad.hooks.preflight(model, _run, batches, loss_fn=_loss)
+    assert result.status == "pass", result.table()
+    assert result.cost["microbatch_passes"] == 7  # the first micro-batch twice, then 2 singles and 3 in sequence
+    assert {p.fd_tolerance for p in result.params} == {0.25}
