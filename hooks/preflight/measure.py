@@ -331,6 +331,7 @@ ZERO_STEP_MAX = 2.0**-2
 MAX_LEVELS = 7  # steps per probe at most
 E_MAX = 0.05  # a relative error bar at most this is a reliable estimate
 OFF = 0.2  # "consistently off": every step's ratio beyond 1 +- OFF (after its noise), on the same side
+OFF_SPREAD = 4.0  # "consistently off": the ratios at every step within this factor of each other
 Z_MOVE = 4.0  # a loss change of more than Z_MOVE x the noise "moves"
 
 
@@ -399,7 +400,14 @@ def judge_levels(
         bars = [max(noise, floor) / abs(p) for _, _, p in valid]  # r's error from the loss's noise
         low = all(r + bar < 1 / (1 + OFF) for (_, r, _), bar in zip(valid, bars, strict=True))
         high = all(r - bar > 1 + OFF for (_, r, _), bar in zip(valid, bars, strict=True))
-        if low or high:
+        # and the ratios tell one story: one sign, within a factor OFF_SPREAD of each other (noise that the
+        # measured noise underestimates, seen on the H200 on probes of a few small biases, scatters them
+        # over both signs and orders of magnitude)
+        ratios = [r for _, r, _ in valid]
+        consistent = (all(r > 0 for r in ratios) or all(r < 0 for r in ratios)) and max(
+            abs(r) for r in ratios
+        ) <= OFF_SPREAD * min(abs(r) for r in ratios)
+        if (low or high) and consistent:
             rs = sorted(r for _, r, _ in valid)
             mid = rs[len(rs) // 2]
             return Estimate(

@@ -96,7 +96,7 @@ FD_GROUPS: tuple[str, ...] = ("mechanism", "module_type", "param")
 MAX_MICROBATCHES = 16  # taken from an iterator at most (a list must not be longer: say so, never cut it)
 MIN_DISTINCT = 3
 FP8_FD_RTOL = 0.25  # 4 units of e4m3's round-off: an FP8 weight's factor within 1.25 is not judged
-NOISE_SHARE = 2  # the first pair's smaller step: noise at most E_MAX / NOISE_SHARE of the predicted change
+NOISE_SHARE = 4  # the first pair's smaller step: noise at most E_MAX / NOISE_SHARE of the predicted change
 CANDIDATE_STEPS = [2.0**-k for k in range(4, 21)]  # where the first pair is chosen (largest first)
 UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
 

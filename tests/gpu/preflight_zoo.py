@@ -755,7 +755,7 @@ def scan(case: Case) -> dict[str, Any]:
             out["groups"][key] = {
                 "n": len(idx),
                 "per_step": sum(contrib.values()),
-                "first_step": check._first_step(node, moves),
+                "first_step": check._first_steps([node], moves)[id(node)],
                 "levels": sorted((st, c, pp) for st, (c, pp) in node.levels.items()),
                 "contrib": contrib,
             }

@@ -196,9 +196,13 @@ def test_scaling_state_created_by_the_first_run_is_adopted_and_that_run_repeated
     would start from other ones. preflight adopts the new state and runs the first micro-batch again; the
     weights that computed in FP8 are judged with FP8's tolerance."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(LazyDelayedScalingLinear(8, 16), torch.nn.Tanh(), LazyDelayedScalingLinear(16, 4))
+    model = torch.nn.Sequential(
+        LazyDelayedScalingLinear(8, 16), torch.nn.Tanh(), LazyDelayedScalingLinear(16, 4)
+    )
     batches = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     result = maingrad.hooks.preflight(model, _run, batches, loss_fn=_loss)
     assert result.status == "pass", result.table()
-    assert result.cost["microbatch_passes"] == 7  # the first micro-batch twice, then 2 singles and 3 in sequence
+    assert (
+        result.cost["microbatch_passes"] == 7
+    )  # the first micro-batch twice, then 2 singles and 3 in sequence
     assert {p.fd_tolerance for p in result.params} == {0.25}
