@@ -122,16 +122,12 @@ class LoadShedMiddleware:
             )(scope, receive, send)
             return
         self.in_flight += 1
-        self.per_key[key] = self.per_key.get(key, 0) + 1
+        _take(self.per_key, key)
         try:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
-            left = self.per_key[key] - 1
-            if left:
-                self.per_key[key] = left
-            else:
-                del self.per_key[key]
+            _release(self.per_key, key)
 
     async def _receive_body(
         self, scope: dict[str, Any], key: str, receive: Any, send: Any
@@ -141,16 +137,12 @@ class LoadShedMiddleware:
             await self._shed(scope, "too many request bodies are arriving; retry later")(scope, receive, send)
             return None
         self.receiving += 1
-        self.receiving_per_key[key] = self.receiving_per_key.get(key, 0) + 1
+        _take(self.receiving_per_key, key)
         try:
             return await self._read(scope, receive, send)
         finally:
             self.receiving -= 1
-            left = self.receiving_per_key[key] - 1
-            if left:
-                self.receiving_per_key[key] = left
-            else:
-                del self.receiving_per_key[key]
+            _release(self.receiving_per_key, key)
 
     async def _read(self, scope: dict[str, Any], receive: Any, send: Any) -> list[dict[str, Any]] | None:
         limit = self.limit_for(scope["method"], scope["path"]) if self.limit_for is not None else None
@@ -207,3 +199,16 @@ def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
         return await receive()  # after the body: http.disconnect when the client leaves
 
     return replayed
+
+
+def _take(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _release(counts: dict[str, int], key: str) -> None:
+    """One fewer in hand for `key`; a key with none left leaves the table (it holds only busy keys)."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
