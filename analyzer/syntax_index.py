@@ -360,6 +360,26 @@ def _branch(owner: ast.AST, child: ast.AST) -> object:
     return child  # an except handler is its own part
 
 
+def local_bindings(func: ast.AST, *, walrus: bool = False) -> dict[str, list[ast.AST]]:
+    """`dataflow.local_bindings` on `ast`, for the gates: name -> the expressions bound to it in `func` by
+    assignments, annotated assignments and for/comprehension targets; with `walrus`, also by `:=`."""
+    out: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(func):
+        if type(node) is ast.Assign:
+            for target in node.targets:
+                if type(target) is ast.Name:
+                    out.setdefault(target.id, []).append(node.value)
+        elif type(node) is ast.AnnAssign or (walrus and type(node) is ast.NamedExpr):
+            target, value = node.target, node.value
+            if type(target) is ast.Name and value is not None:
+                out.setdefault(target.id, []).append(value)
+        elif type(node) in (ast.For, ast.AsyncFor, ast.comprehension):
+            for name in ast.walk(node.target):  # type: ignore[attr-defined]
+                if type(name) is ast.Name:
+                    out.setdefault(name.id, []).append(node.iter)  # type: ignore[attr-defined]
+    return out
+
+
 N = TypeVar("N")
 
 

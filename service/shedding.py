@@ -156,14 +156,8 @@ class LoadShedMiddleware:
                     raise TimeoutError
                 message = await asyncio.wait_for(receive(), remaining)
             except TimeoutError:
-                response = problem_response(
-                    408,
-                    "body_timeout",
-                    f"the request body did not arrive within {self.body_timeout_s:g} s",
-                    instance=scope["path"],
-                    headers={"Connection": "close"},
-                    limit=self.body_timeout_s,
-                )
+                detail = f"the request body did not arrive within {self.body_timeout_s:g} s"
+                response = _closing_problem(scope, 408, "body_timeout", detail, limit=self.body_timeout_s)
                 await response(scope, _disconnected, send)
                 return None
             if message["type"] != "http.request":
@@ -172,18 +166,20 @@ class LoadShedMiddleware:
             parts.append(chunk)
             size += len(chunk)
             if limit is not None and size > limit:
-                response = problem_response(
-                    413,
-                    "body_too_large",
-                    f"request body exceeds {limit} bytes",
-                    instance=scope["path"],
-                    headers={"Connection": "close"},
-                    limit=limit,
+                response = _closing_problem(
+                    scope, 413, "body_too_large", f"request body exceeds {limit} bytes", limit=limit
                 )
                 await response(scope, _disconnected, send)
                 return None
             if not message.get("more_body", False):
                 return [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+
+def _closing_problem(scope: dict[str, Any], status: int, code: str, detail: str, *, limit: float) -> Any:
+    """A problem answer about the body that also closes the connection (the rest of the body is never read)."""
+    return problem_response(
+        status, code, detail, instance=scope["path"], headers={"Connection": "close"}, limit=limit
+    )
 
 
 async def _disconnected() -> dict[str, Any]:

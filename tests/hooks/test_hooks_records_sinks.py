@@ -247,6 +247,12 @@ def _send_all(sink: HttpSink, records: list[dict]) -> HttpSink:
     return sink
 
 
+def _send_batches_of_5(httpd: ThreadingHTTPServer, n: int) -> HttpSink:
+    """`n` records sent to the test server in batches of 5."""
+    sink = HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", batch_size=5)
+    return _send_all(sink, [{"n": i} for i in range(n)])
+
+
 def _record_posts(handler: type[_Collector]) -> list[tuple[str, dict, bytes]]:
     return [r for r in handler.requests if "/records" in r[0]]
 
@@ -298,9 +304,7 @@ def test_http_sink_drops_when_full_and_never_blocks(server) -> None:
 def test_http_sink_counts_failures(server) -> None:
     httpd, handler = server
     handler.status = 401
-    sink = _send_all(
-        HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", batch_size=5), [{"n": i} for i in range(12)]
-    )
+    sink = _send_batches_of_5(httpd, 12)
     assert sink.failed == 12 and sink.sent == 0 and sink.last_status == 401
     assert len(_record_posts(handler)) == 3 and sink.retried == 0  # a 4xx is never tried again
     assert json.loads(handler.requests[-1][2])["lost"] == 12 and not sink.ended  # the end marker says so
@@ -314,9 +318,7 @@ def test_http_sink_retries_a_server_shedding_load(server) -> None:
     """503 + Retry-After (the service shedding load) delays a batch, it does not lose it."""
     httpd, handler = server
     handler.shed = 2
-    sink = _send_all(
-        HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", batch_size=5), [{"n": i} for i in range(10)]
-    )
+    sink = _send_batches_of_5(httpd, 10)
     assert (sink.sent, sink.failed, sink.retried, len(_record_posts(handler))) == (10, 0, 2, 4)
     bodies = [body for _, _, body in _record_posts(handler)]
     assert sorted(set(bodies)) == sorted(bodies[2:])  # the two shed posts were re-sent as they were
