@@ -126,6 +126,18 @@ class ProjectCtx:
             headers=self.headers("upload", **kw.pop("headers", {})),
         )
 
+    def every_item(self, suffix: str, limit: int) -> list[Any]:
+        """Every item of a paginated listing, `limit` a page, following `next_cursor` to the end."""
+        items: list[Any] = []
+        cursor = None
+        while True:
+            params = {"limit": str(limit), **({"cursor": cursor} if cursor else {})}
+            page = self.client.get(self.url(suffix), params=params, headers=self.headers("read")).json()
+            items += page["items"]
+            cursor = page["next_cursor"]
+            if not cursor:
+                return items
+
     def gate(self, commit: str, base: str | None = None) -> dict[str, Any]:
         params = {"commit_sha": commit, **({"base_sha": base} if base else {})}
         response = self.client.get(self.url("/gate"), params=params, headers=self.headers("read"))
