@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -524,13 +524,46 @@ def bench_backend(name: str, url: str, workdir: Path, args: argparse.Namespace) 
     return {"backend": name, "workers": args.workers, "gate": gate, "ingest": ing, "concurrency": crowd}
 
 
-def _print_table(title: str, header: str, align: str, rows: Iterable[str]) -> None:
-    """A markdown table under its title (rows are formatted lazily, as they are printed)."""
-    print(f"\n{title}\n")
-    print(header)
-    print(align)
-    for row in rows:
-        print(row)
+# The markdown tables printed per section of a backend's results: title, header, alignment, and a row of the
+# table per item of the section (the memory cases, gate endpoints, concurrency levels; ingest is one item).
+_TABLES: dict[str, tuple[str, str, str, Callable[[dict[str, Any], dict[str, Any]], str]]] = {
+    "memory": (
+        "Peak server RSS per request (one worker; target < 512 MB)",
+        "| backend | case | on the wire KiB | answer | floor MB | peak MB | peak / floor | server CPU s |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+        lambda res, m: (
+            f"| {res['backend']} | {m['case']} | {m['wire_kib']:,.0f} | {m['status']} {m['code']} | "
+            f"{m['floor_mb']:.0f} | {m['peak_mb']:.0f} | {m['peak_over_floor']:.2f} | {m['cpu_s']:.2f} |"
+        ),
+    ),
+    "gate": (
+        "Gate latency (open loop; target p99 <= 20 ms at 200 req/s)",
+        "| backend | workers | endpoint | offered req/s | achieved req/s | p50 ms | p99 ms | errors |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+        lambda res, g: (
+            f"| {res['backend']} | {res['workers']} | {g['endpoint']} | {g['offered_rps']:.0f} | "
+            f"{g['achieved_rps']:.0f} | {g['p50_ms']:.1f} | {g['p99_ms']:.1f} | {g['errors']} |"
+        ),
+    ),
+    "ingest": (
+        "Record ingest (batches of 1,000; target >= 50,000 records/s)",
+        "| backend | workers | senders | records | seconds | records/s |",
+        "|---|---:|---:|---:|---:|---:|",
+        lambda res, i: (
+            f"| {res['backend']} | {res['workers']} | {i['senders']} | {i['records']} | {i['seconds']:.2f} | "
+            f"{i['records_per_s']:,.0f} |"
+        ),
+    ),
+    "concurrency": (
+        "Concurrent gate pollers (closed loop; a 503 makes the client wait its Retry-After)",
+        "| backend | workers | clients | answered/s | p50 ms | p99 ms | max ms | 200s | shed 503 | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        lambda res, c: (
+            f"| {res['backend']} | {res['workers']} | {c['clients']} | {c['answered_per_s']:.0f} | "
+            f"{c['p50_ms']:.1f} | {c['p99_ms']:.1f} | {c['max_ms']:.0f} | {c['ok']} | {c['shed_503']} | {c['errors']} |"
+        ),
+    ),
+}
 
 
 def main() -> int:
@@ -574,54 +607,15 @@ def main() -> int:
                     results.append(bench_backend("postgres", url, Path(tmp), args))
                 finally:
                     _pg_drop(pg, schema)
-    if args.memory:
-        _print_table(
-            "Peak server RSS per request (one worker; target < 512 MB)",
-            "| backend | case | on the wire KiB | answer | floor MB | peak MB | peak / floor | server CPU s |",
-            "|---|---|---:|---|---:|---:|---:|---:|",
-            (
-                f"| {res['backend']} | {m['case']} | {m['wire_kib']:,.0f} | {m['status']} {m['code']} | "
-                f"{m['floor_mb']:.0f} | {m['peak_mb']:.0f} | {m['peak_over_floor']:.2f} | {m['cpu_s']:.2f} |"
-                for res in results
-                for m in res["memory"]
-            ),
-        )
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
-        return 0
-    _print_table(
-        "Gate latency (open loop; target p99 <= 20 ms at 200 req/s)",
-        "| backend | workers | endpoint | offered req/s | achieved req/s | p50 ms | p99 ms | errors |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
-        (
-            f"| {res['backend']} | {res['workers']} | {g['endpoint']} | {g['offered_rps']:.0f} | "
-            f"{g['achieved_rps']:.0f} | {g['p50_ms']:.1f} | {g['p99_ms']:.1f} | {g['errors']} |"
-            for res in results
-            for g in res["gate"]
-        ),
-    )
-    _print_table(
-        "Record ingest (batches of 1,000; target >= 50,000 records/s)",
-        "| backend | workers | senders | records | seconds | records/s |",
-        "|---|---:|---:|---:|---:|---:|",
-        (
-            f"| {res['backend']} | {res['workers']} | {i['senders']} | {i['records']} | {i['seconds']:.2f} | "
-            f"{i['records_per_s']:,.0f} |"
-            for res in results
-            if (i := res["ingest"])
-        ),
-    )
-    _print_table(
-        "Concurrent gate pollers (closed loop; a 503 makes the client wait its Retry-After)",
-        "| backend | workers | clients | answered/s | p50 ms | p99 ms | max ms | 200s | shed 503 | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        (
-            f"| {res['backend']} | {res['workers']} | {c['clients']} | {c['answered_per_s']:.0f} | "
-            f"{c['p50_ms']:.1f} | {c['p99_ms']:.1f} | {c['max_ms']:.0f} | {c['ok']} | {c['shed_503']} | {c['errors']} |"
-            for res in results
-            for c in res["concurrency"]
-        ),
-    )
+    for section in ("memory",) if args.memory else ("gate", "ingest", "concurrency"):
+        title, header, align, row = _TABLES[section]
+        print(f"\n{title}\n")
+        print(header)
+        print(align)
+        for res in results:
+            items = res[section]
+            for item in items if isinstance(items, list) else [items] if items else []:
+                print(row(res, item))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
