@@ -29,6 +29,11 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 UNUSED_SUPPRESSION_ID = "MG000"
 
 
+def rule_doc_path(rule_id: str) -> str:
+    """A rule's page, relative to the root of maingrad's source tree (the report's `help_uri`)."""
+    return f"docs/rules/{rule_id}.md"
+
+
 @dataclass(frozen=True)
 class RuleMeta:
     id: str
@@ -70,7 +75,7 @@ UNUSED_SUPPRESSION = RuleMeta(
     name="unused-suppression",
     severity=Severity.WARNING,
     summary="A `# maingrad: ignore` comment suppresses nothing or names an unknown rule.",
-    help_uri=f"https://github.com/maingrad/maingrad/blob/main/docs/rules/{UNUSED_SUPPRESSION_ID}.md",
+    help_uri=rule_doc_path(UNUSED_SUPPRESSION_ID),
     docs="""\
 ## What it does
 

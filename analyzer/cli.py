@@ -63,43 +63,35 @@ PYTHON_SUFFIXES = (".py", ".pyi")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    check = subparsers.add_parser(
-        "check",
-        help="find main_grad contract bugs",
-        description="Find main_grad contract bugs.",
-        epilog=CHECK_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    check = _add_command(
+        subparsers, "check", "find main_grad contract bugs", "Find main_grad contract bugs.", CHECK_EXIT_CODES
     )
     _add_scan_arguments(check)
     check.add_argument("--fix", action="store_true", help="apply fixes, then report what is left")
     check.set_defaults(handler=run_check, fix_command=False)
 
-    fix = subparsers.add_parser(
-        "fix",
-        help="apply fixes",
-        description="Apply fixes, then report what is left.",
-        epilog=FIX_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    fix = _add_command(
+        subparsers, "fix", "apply fixes", "Apply fixes, then report what is left.", FIX_EXIT_CODES
     )
     _add_scan_arguments(fix)
     fix.set_defaults(handler=run_check, fix_command=True, fix=True)
 
-    rules = subparsers.add_parser(
+    rules = _add_command(
+        subparsers,
         "rules",
-        help="list the rules",
-        description="List the rules (FIX: safe, unsafe (needs --unsafe-fixes), or both, case by case).",
-        epilog=RULES_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "list the rules",
+        "List the rules (FIX: safe, unsafe (needs --unsafe-fixes), or both, case by case).",
+        RULES_EXIT_CODES,
     )
     rules.add_argument("--format", choices=("text", "json"), default="text")
     rules.set_defaults(handler=run_rules)
 
-    explain = subparsers.add_parser(
+    explain = _add_command(
+        subparsers,
         "explain",
-        help="print a rule's documentation",
-        description="Print a rule's documentation.",
-        epilog=EXPLAIN_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "print a rule's documentation",
+        "Print a rule's documentation.",
+        EXPLAIN_EXIT_CODES,
     )
     explain.add_argument("rule", metavar="RULE", help="rule id or name, e.g. MG001")
     explain.add_argument(
@@ -109,6 +101,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="terminal: rendered (default; plain text when not on a terminal); markdown: the page's source",
     )
     explain.set_defaults(handler=run_explain)
+
+
+def _add_command(
+    subparsers: argparse._SubParsersAction, name: str, summary: str, description: str, exit_codes: str
+) -> argparse.ArgumentParser:
+    """A subcommand whose help ends with its exit codes, laid out as written."""
+    return subparsers.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=exit_codes,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def _add_scan_arguments(parser: argparse.ArgumentParser) -> None:

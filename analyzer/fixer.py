@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from maingrad.analyzer.discovery import SourceFile
@@ -72,13 +72,7 @@ def fix_files(
 ) -> list[FixOutcome]:
     """Fixed text for every file some fixable rule needs to look at (nothing is written here)."""
     # Every selected rule, not only those declaring `fixable`: a violation carries its fix either way.
-    fix_settings = ScanSettings(
-        rules=settings.rules,
-        known_ids=settings.known_ids,
-        per_file_ignores=settings.per_file_ignores,
-        severities=settings.severities,
-        exposure_helpers=settings.exposure_helpers,
-    )
+    fix_settings = replace(settings, warn_unused_ignores=False)
     file_rules = _FileRules(fix_settings)
     outcomes: dict[str, FixOutcome] = {}
     tasks: list[tuple[str, int, Any]] = []

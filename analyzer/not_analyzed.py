@@ -9,7 +9,7 @@ selected, ignored or suppressed (exclude the path instead); it is listed by `mai
 
 from __future__ import annotations
 
-from maingrad.analyzer.catalog import RuleMeta
+from maingrad.analyzer.catalog import RuleMeta, rule_doc_path
 from maingrad.contracts.report import NOT_ANALYZED_CODE, Severity
 
 NOT_ANALYZED = RuleMeta(
@@ -18,7 +18,7 @@ NOT_ANALYZED = RuleMeta(
     severity=Severity.ERROR,
     summary="A file could not be read, decoded or parsed, or a directory could not be listed: nothing in "
     "it was checked.",
-    help_uri=f"https://github.com/maingrad/maingrad/blob/main/docs/rules/{NOT_ANALYZED_CODE}.md",
+    help_uri=rule_doc_path(NOT_ANALYZED_CODE),
     docs="""\
 ## What it does
 

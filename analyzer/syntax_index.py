@@ -28,9 +28,9 @@ import ast
 import io
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from maingrad.analyzer import gcpause
 from maingrad.analyzer.facts import (
@@ -360,27 +360,57 @@ def _branch(owner: ast.AST, child: ast.AST) -> object:
     return child  # an except handler is its own part
 
 
-def mutually_exclusive(index: SyntaxIndex, a: ast.AST, b: ast.AST) -> bool:
-    """`_common.mutually_exclusive`: different branches of one if/ternary, or different parts of one try.
-    An `ast` list field (`If.body`) is one libcst node (`IndentedBlock`): two statements of the same
-    list have that block as their common ancestor, which is never exclusive."""
-    chain_a = [a, *index.ancestors(a)]
-    chain_b = [b, *index.ancestors(b)]
+def local_bindings(func: ast.AST, *, walrus: bool = False) -> dict[str, list[ast.AST]]:
+    """`dataflow.local_bindings` on `ast`, for the gates: name -> the expressions bound to it in `func` by
+    assignments, annotated assignments and for/comprehension targets; with `walrus`, also by `:=`."""
+    out: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(func):
+        if type(node) is ast.Assign:
+            for target in node.targets:
+                if type(target) is ast.Name:
+                    out.setdefault(target.id, []).append(node.value)
+        elif type(node) is ast.AnnAssign or (walrus and type(node) is ast.NamedExpr):
+            target, value = node.target, node.value
+            if type(target) is ast.Name and value is not None:
+                out.setdefault(target.id, []).append(value)
+        elif type(node) in (ast.For, ast.AsyncFor, ast.comprehension):
+            for name in ast.walk(node.target):  # type: ignore[attr-defined]
+                if type(name) is ast.Name:
+                    out.setdefault(name.id, []).append(node.iter)  # type: ignore[attr-defined]
+    return out
+
+
+N = TypeVar("N")
+
+
+def branch_point(chain_a: Sequence[N], chain_b: Sequence[N]) -> tuple[N, N, N] | None:
+    """Where two ancestor chains (a node, then its ancestors up to the root) part: their lowest common
+    ancestor and its child on each chain. None when they share no node, when one node is an ancestor of the
+    other (or both are one node), or when both go through the same child (for `ast`, one list field)."""
     on_b = {id(n): i for i, n in enumerate(chain_b)}
     for i, node in enumerate(chain_a):
         j = on_b.get(id(node))
         if j is None:
             continue
-        child_a = chain_a[i - 1] if i else None
-        child_b = chain_b[j - 1] if j else None
-        if child_a is None or child_b is None or child_a is child_b:
-            return False
-        part_a, part_b = _branch(node, child_a), _branch(node, child_b)
-        if isinstance(node, (ast.If, ast.IfExp)):
-            return {part_a, part_b} == {"body", "orelse"}
-        if isinstance(node, TRY_NODES):
-            return part_a != part_b
+        if not i or not j or chain_a[i - 1] is chain_b[j - 1]:
+            return None
+        return node, chain_a[i - 1], chain_b[j - 1]
+    return None
+
+
+def mutually_exclusive(index: SyntaxIndex, a: ast.AST, b: ast.AST) -> bool:
+    """`_common.mutually_exclusive`: different branches of one if/ternary, or different parts of one try.
+    An `ast` list field (`If.body`) is one libcst node (`IndentedBlock`): two statements of the same
+    list have that block as their common ancestor, which is never exclusive."""
+    meet = branch_point([a, *index.ancestors(a)], [b, *index.ancestors(b)])
+    if meet is None:
         return False
+    node, child_a, child_b = meet
+    part_a, part_b = _branch(node, child_a), _branch(node, child_b)
+    if isinstance(node, (ast.If, ast.IfExp)):
+        return {part_a, part_b} == {"body", "orelse"}
+    if isinstance(node, TRY_NODES):
+        return part_a != part_b
     return False
 
 

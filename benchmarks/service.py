@@ -46,6 +46,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -365,6 +366,10 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _gzip_json(value: Any) -> bytes:
+    return gzip.compress(json.dumps(value).encode())
+
+
 def _gzip_parts(parts: Any) -> bytes:
     import zlib
 
@@ -445,26 +450,11 @@ def _memory_cases() -> list[tuple[str, str, bytes, dict[str, str]]]:
     return [
         ("N1 unclosed quote + escapes + 2M commas", "/reports?commit_sha=n1q", quote, gz),
         ('N1 "a", x 7.9 M', "/reports?commit_sha=n1s", strings, gz),
-        (
-            "N2 20 runs x 25,000 results",
-            "/reports?commit_sha=n2",
-            gzip.compress(json.dumps(runs).encode()),
-            gz,
-        ),
+        ("N2 20 runs x 25,000 results", "/reports?commit_sha=n2", _gzip_json(runs), gz),
         ("D1 gzip bomb (250 MiB of {})", "/reports?commit_sha=b4", bomb, gz),
         ("D1 one 120 MiB record line", "/runs/r/records", long_line, gz),
-        (
-            "D2 100 KB template x 2,000",
-            "/reports?commit_sha=t1",
-            gzip.compress(json.dumps(template).encode()),
-            gz,
-        ),
-        (
-            "largest accepted: 25,000 results",
-            "/reports?commit_sha=big",
-            gzip.compress(json.dumps(largest).encode()),
-            gz,
-        ),
+        ("D2 100 KB template x 2,000", "/reports?commit_sha=t1", _gzip_json(template), gz),
+        ("largest accepted: 25,000 results", "/reports?commit_sha=big", _gzip_json(largest), gz),
         ("at the value budget: 1.99M objects", "/reports?commit_sha=v1", values, gz),
         ("at the inflate cap: a 31 MiB string", "/reports?commit_sha=s1", text, gz),
     ]
@@ -534,6 +524,48 @@ def bench_backend(name: str, url: str, workdir: Path, args: argparse.Namespace) 
     return {"backend": name, "workers": args.workers, "gate": gate, "ingest": ing, "concurrency": crowd}
 
 
+# The markdown tables printed per section of a backend's results: title, header, alignment, and a row of the
+# table per item of the section (the memory cases, gate endpoints, concurrency levels; ingest is one item).
+_TABLES: dict[str, tuple[str, str, str, Callable[[dict[str, Any], dict[str, Any]], str]]] = {
+    "memory": (
+        "Peak server RSS per request (one worker; target < 512 MB)",
+        "| backend | case | on the wire KiB | answer | floor MB | peak MB | peak / floor | server CPU s |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+        lambda res, m: (
+            f"| {res['backend']} | {m['case']} | {m['wire_kib']:,.0f} | {m['status']} {m['code']} | "
+            f"{m['floor_mb']:.0f} | {m['peak_mb']:.0f} | {m['peak_over_floor']:.2f} | {m['cpu_s']:.2f} |"
+        ),
+    ),
+    "gate": (
+        "Gate latency (open loop; target p99 <= 20 ms at 200 req/s)",
+        "| backend | workers | endpoint | offered req/s | achieved req/s | p50 ms | p99 ms | errors |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+        lambda res, g: (
+            f"| {res['backend']} | {res['workers']} | {g['endpoint']} | {g['offered_rps']:.0f} | "
+            f"{g['achieved_rps']:.0f} | {g['p50_ms']:.1f} | {g['p99_ms']:.1f} | {g['errors']} |"
+        ),
+    ),
+    "ingest": (
+        "Record ingest (batches of 1,000; target >= 50,000 records/s)",
+        "| backend | workers | senders | records | seconds | records/s |",
+        "|---|---:|---:|---:|---:|---:|",
+        lambda res, i: (
+            f"| {res['backend']} | {res['workers']} | {i['senders']} | {i['records']} | {i['seconds']:.2f} | "
+            f"{i['records_per_s']:,.0f} |"
+        ),
+    ),
+    "concurrency": (
+        "Concurrent gate pollers (closed loop; a 503 makes the client wait its Retry-After)",
+        "| backend | workers | clients | answered/s | p50 ms | p99 ms | max ms | 200s | shed 503 | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        lambda res, c: (
+            f"| {res['backend']} | {res['workers']} | {c['clients']} | {c['answered_per_s']:.0f} | "
+            f"{c['p50_ms']:.1f} | {c['p99_ms']:.1f} | {c['max_ms']:.0f} | {c['ok']} | {c['shed_503']} | {c['errors']} |"
+        ),
+    ),
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default="sqlite,postgres")
@@ -575,52 +607,15 @@ def main() -> int:
                     results.append(bench_backend("postgres", url, Path(tmp), args))
                 finally:
                     _pg_drop(pg, schema)
-    if args.memory:
-        print("\nPeak server RSS per request (one worker; target < 512 MB)\n")
-        print(
-            "| backend | case | on the wire KiB | answer | floor MB | peak MB | peak / floor | server CPU s |"
-        )
-        print("|---|---|---:|---|---:|---:|---:|---:|")
+    for section in ("memory",) if args.memory else ("gate", "ingest", "concurrency"):
+        title, header, align, row = _TABLES[section]
+        print(f"\n{title}\n")
+        print(header)
+        print(align)
         for res in results:
-            for m in res["memory"]:
-                print(
-                    f"| {res['backend']} | {m['case']} | {m['wire_kib']:,.0f} | {m['status']} {m['code']} | "
-                    f"{m['floor_mb']:.0f} | {m['peak_mb']:.0f} | {m['peak_over_floor']:.2f} | {m['cpu_s']:.2f} |"
-                )
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
-        return 0
-    print("\nGate latency (open loop; target p99 <= 20 ms at 200 req/s)\n")
-    print("| backend | workers | endpoint | offered req/s | achieved req/s | p50 ms | p99 ms | errors |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-    for res in results:
-        for g in res["gate"]:
-            print(
-                f"| {res['backend']} | {res['workers']} | {g['endpoint']} | {g['offered_rps']:.0f} | "
-                f"{g['achieved_rps']:.0f} | {g['p50_ms']:.1f} | {g['p99_ms']:.1f} | {g['errors']} |"
-            )
-    print("\nRecord ingest (batches of 1,000; target >= 50,000 records/s)\n")
-    print("| backend | workers | senders | records | seconds | records/s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for res in results:
-        i = res["ingest"]
-        if not i:
-            continue
-        print(
-            f"| {res['backend']} | {res['workers']} | {i['senders']} | {i['records']} | {i['seconds']:.2f} | "
-            f"{i['records_per_s']:,.0f} |"
-        )
-    print("\nConcurrent gate pollers (closed loop; a 503 makes the client wait its Retry-After)\n")
-    print(
-        "| backend | workers | clients | answered/s | p50 ms | p99 ms | max ms | 200s | shed 503 | errors |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for res in results:
-        for c in res["concurrency"]:
-            print(
-                f"| {res['backend']} | {res['workers']} | {c['clients']} | {c['answered_per_s']:.0f} | "
-                f"{c['p50_ms']:.1f} | {c['p99_ms']:.1f} | {c['max_ms']:.0f} | {c['ok']} | {c['shed_503']} | {c['errors']} |"
-            )
+            items = res[section]
+            for item in items if isinstance(items, list) else [items] if items else []:
+                print(row(res, item))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

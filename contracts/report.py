@@ -129,6 +129,11 @@ def _applicability(data: dict[str, Any]) -> str | None:
     return None
 
 
+def _json_fields(record: Any) -> dict[str, Any]:
+    """A small dataclass's fields (`dataclasses.asdict`), its Enum members as their values."""
+    return {k: v.value if isinstance(v, Enum) else v for k, v in asdict(record).items()}
+
+
 @dataclass(frozen=True)
 class ParseError:
     """A path that was not (fully) analyzed: diagnostic MG999 in every output format."""
@@ -145,9 +150,7 @@ class ParseError:
         return self.kind is NotAnalyzed.INTERNAL
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["kind"] = self.kind.value
-        return data
+        return _json_fields(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParseError:
@@ -185,9 +188,7 @@ class RuleInfo:
     help_uri: str
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["severity"] = self.severity.value
-        return data
+        return _json_fields(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RuleInfo:

@@ -121,16 +121,10 @@ def authorize(session: Session, principal: Principal, project_name: str, scope: 
     return project
 
 
+# The project's columns ride beside the token's in one row, each labelled "p_" + its attribute.
+_PROJECT_FIELDS = ("id", "name", "default_branch", "created_at", "revision", "required_evidence")
 _TOKEN_AND_PROJECT = (
-    select(
-        *_TOKEN_COLUMNS,
-        Project.id.label("p_id"),
-        Project.name.label("p_name"),
-        Project.default_branch.label("p_branch"),
-        Project.created_at.label("p_created"),
-        Project.revision.label("p_revision"),
-        Project.required_evidence.label("p_required"),
-    )
+    select(*_TOKEN_COLUMNS, *(getattr(Project, name).label(f"p_{name}") for name in _PROJECT_FIELDS))
     .select_from(Token)
     .outerjoin(Project, Project.name == bindparam("n"))
     .where(Token.token_hash == bindparam("h"))
@@ -155,14 +149,7 @@ def resolve(
         return principal, authorize(session, principal, project_name, scope)
     principal = _principal(row)
     _check_access(principal, row.p_id, project_name, scope)
-    project = Project(
-        id=row.p_id,
-        name=row.p_name,
-        default_branch=row.p_branch,
-        created_at=row.p_created,
-        revision=row.p_revision,
-        required_evidence=row.p_required,
-    )
+    project = Project(**{name: getattr(row, f"p_{name}") for name in _PROJECT_FIELDS})
     return principal, project
 
 

@@ -8,7 +8,7 @@ columns' (INTEGER: below 2^31, BIGINT: below 2^63) and the configured limits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from maingrad.contracts import records as record_contract
@@ -24,7 +24,7 @@ SARIF_KINDS = ["pass", "open", "informational", "notApplicable", "review", "fail
 
 @dataclass(frozen=True)
 class BodyLimits:
-    """Bounds a body must respect; from Settings (see config.py)."""
+    """Bounds a body must respect; from Settings (see config.py), which has a setting of each field's name."""
 
     max_runs: int = 20
     max_results_per_run: int = 25_000
@@ -36,15 +36,7 @@ class BodyLimits:
 
     @classmethod
     def from_settings(cls, settings: Any) -> BodyLimits:
-        return cls(
-            max_runs=settings.max_runs,
-            max_results_per_run=settings.max_results_per_run,
-            max_message_chars=settings.max_message_chars,
-            max_snippet_chars=settings.max_snippet_chars,
-            max_path_chars=settings.max_path_chars,
-            max_records_per_batch=settings.max_records_per_batch,
-            max_record_string_chars=settings.max_record_string_chars,
-        )
+        return cls(**{limit.name: getattr(settings, limit.name) for limit in fields(cls)})
 
 
 def _int(minimum: int, maximum: int = INT32_MAX) -> dict[str, Any]:

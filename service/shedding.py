@@ -122,16 +122,12 @@ class LoadShedMiddleware:
             )(scope, receive, send)
             return
         self.in_flight += 1
-        self.per_key[key] = self.per_key.get(key, 0) + 1
+        _take(self.per_key, key)
         try:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
-            left = self.per_key[key] - 1
-            if left:
-                self.per_key[key] = left
-            else:
-                del self.per_key[key]
+            _release(self.per_key, key)
 
     async def _receive_body(
         self, scope: dict[str, Any], key: str, receive: Any, send: Any
@@ -141,16 +137,12 @@ class LoadShedMiddleware:
             await self._shed(scope, "too many request bodies are arriving; retry later")(scope, receive, send)
             return None
         self.receiving += 1
-        self.receiving_per_key[key] = self.receiving_per_key.get(key, 0) + 1
+        _take(self.receiving_per_key, key)
         try:
             return await self._read(scope, receive, send)
         finally:
             self.receiving -= 1
-            left = self.receiving_per_key[key] - 1
-            if left:
-                self.receiving_per_key[key] = left
-            else:
-                del self.receiving_per_key[key]
+            _release(self.receiving_per_key, key)
 
     async def _read(self, scope: dict[str, Any], receive: Any, send: Any) -> list[dict[str, Any]] | None:
         limit = self.limit_for(scope["method"], scope["path"]) if self.limit_for is not None else None
@@ -164,14 +156,8 @@ class LoadShedMiddleware:
                     raise TimeoutError
                 message = await asyncio.wait_for(receive(), remaining)
             except TimeoutError:
-                response = problem_response(
-                    408,
-                    "body_timeout",
-                    f"the request body did not arrive within {self.body_timeout_s:g} s",
-                    instance=scope["path"],
-                    headers={"Connection": "close"},
-                    limit=self.body_timeout_s,
-                )
+                detail = f"the request body did not arrive within {self.body_timeout_s:g} s"
+                response = _closing_problem(scope, 408, "body_timeout", detail, limit=self.body_timeout_s)
                 await response(scope, _disconnected, send)
                 return None
             if message["type"] != "http.request":
@@ -180,18 +166,20 @@ class LoadShedMiddleware:
             parts.append(chunk)
             size += len(chunk)
             if limit is not None and size > limit:
-                response = problem_response(
-                    413,
-                    "body_too_large",
-                    f"request body exceeds {limit} bytes",
-                    instance=scope["path"],
-                    headers={"Connection": "close"},
-                    limit=limit,
+                response = _closing_problem(
+                    scope, 413, "body_too_large", f"request body exceeds {limit} bytes", limit=limit
                 )
                 await response(scope, _disconnected, send)
                 return None
             if not message.get("more_body", False):
                 return [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+
+def _closing_problem(scope: dict[str, Any], status: int, code: str, detail: str, *, limit: float) -> Any:
+    """A problem answer about the body that also closes the connection (the rest of the body is never read)."""
+    return problem_response(
+        status, code, detail, instance=scope["path"], headers={"Connection": "close"}, limit=limit
+    )
 
 
 async def _disconnected() -> dict[str, Any]:
@@ -207,3 +195,16 @@ def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
         return await receive()  # after the body: http.disconnect when the client leaves
 
     return replayed
+
+
+def _take(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _release(counts: dict[str, int], key: str) -> None:
+    """One fewer in hand for `key`; a key with none left leaves the table (it holds only busy keys)."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]

@@ -5,48 +5,42 @@ findings is written without ever holding its whole text, or a copy of every find
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from maingrad.analyzer.reporters.base import OutputOptions
 from maingrad.contracts.report import Report
 
 FORMATS = ("text", "json", "sarif", "github")
 
+# format -> (its module here, imported only when used; the function rendering a string; the one yielding
+# pieces, where the format has one)
+_REPORTERS: dict[str, tuple[str, str, str | None]] = {
+    "text": ("text", "render_text", "iter_text"),
+    "json": ("json_report", "render_json", "iter_json"),
+    "sarif": ("sarif", "render_sarif", None),
+    "github": ("github", "render_github", "iter_github"),
+}
+
+
+def _reporter(fmt: str, function: str) -> Callable[[Report, OutputOptions], Any]:
+    return getattr(importlib.import_module(f"{__name__}.{_REPORTERS[fmt][0]}"), function)
+
 
 def iter_render(fmt: str, report: Report, options: OutputOptions) -> Iterator[str]:
-    if fmt == "text":
-        from maingrad.analyzer.reporters.text import iter_text
-
-        return iter_text(report, options)
-    if fmt == "json":
-        from maingrad.analyzer.reporters.json_report import iter_json
-
-        return iter_json(report, options)
-    if fmt == "github":
-        from maingrad.analyzer.reporters.github import iter_github
-
-        return iter_github(report, options)
-    return iter((render(fmt, report, options),))
+    pieces = _REPORTERS[fmt][2] if fmt in _REPORTERS else None
+    if pieces is None:
+        return iter((render(fmt, report, options),))
+    iterate: Callable[[Report, OutputOptions], Iterator[str]] = _reporter(fmt, pieces)
+    return iterate(report, options)
 
 
 def render(fmt: str, report: Report, options: OutputOptions) -> str:
-    if fmt == "text":
-        from maingrad.analyzer.reporters.text import render_text
-
-        return render_text(report, options)
-    if fmt == "json":
-        from maingrad.analyzer.reporters.json_report import render_json
-
-        return render_json(report, options)
-    if fmt == "sarif":
-        from maingrad.analyzer.reporters.sarif import render_sarif
-
-        return render_sarif(report, options)
-    if fmt == "github":
-        from maingrad.analyzer.reporters.github import render_github
-
-        return render_github(report, options)
-    raise ValueError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+    if fmt not in _REPORTERS:
+        raise ValueError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+    text: str = _reporter(fmt, _REPORTERS[fmt][1])(report, options)
+    return text
 
 
 __all__ = ["FORMATS", "OutputOptions", "iter_render", "render"]

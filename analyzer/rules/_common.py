@@ -43,6 +43,7 @@ from maingrad.analyzer.facts import (
     is_wrapper_path,
 )
 from maingrad.analyzer.names import dotted_name
+from maingrad.analyzer.syntax_index import branch_point
 
 PRESENT = "present"  # the parameter has get_main_grad (a Megatron-FSDP parameter)
 ABSENT = "absent"  # the parameter has no get_main_grad (a DDP / plain parameter)
@@ -565,22 +566,14 @@ def is_before(ctx: FileContext, first: cst.CSTNode, second: cst.CSTNode) -> bool
 def mutually_exclusive(ctx: FileContext, a: cst.CSTNode, b: cst.CSTNode) -> bool:
     """True when `a` and `b` sit in different branches of one `if`/ternary, or one is in a `try` body and
     the other in its handlers (never both run on one path)."""
-    chain_a = [a, *ctx.ancestors(a)]
-    chain_b = [b, *ctx.ancestors(b)]
-    on_b = {id(n): i for i, n in enumerate(chain_b)}
-    for i, node in enumerate(chain_a):
-        j = on_b.get(id(node))
-        if j is None:
-            continue
-        child_a = chain_a[i - 1] if i else None
-        child_b = chain_b[j - 1] if j else None
-        if child_a is None or child_b is None or child_a is child_b:
-            return False
-        if isinstance(node, (cst.If, cst.IfExp)):
-            branches = (node.body, node.orelse)
-            return any(child_a is x for x in branches) and any(child_b is x for x in branches)
-        return isinstance(node, (cst.Try, cst.TryStar))
-    return False
+    meet = branch_point([a, *ctx.ancestors(a)], [b, *ctx.ancestors(b)])
+    if meet is None:
+        return False
+    node, child_a, child_b = meet
+    if isinstance(node, (cst.If, cst.IfExp)):
+        branches = (node.body, node.orelse)
+        return any(child_a is x for x in branches) and any(child_b is x for x in branches)
+    return isinstance(node, (cst.Try, cst.TryStar))
 
 
 def statement_of(ctx: FileContext, node: cst.CSTNode) -> cst.CSTNode | None:

@@ -13,12 +13,11 @@ from typing import ClassVar
 
 import libcst as cst
 
+from maingrad.analyzer.catalog import rule_doc_path
 from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.needles import Needle
 from maingrad.analyzer.syntax_index import SyntaxIndex
 from maingrad.contracts.report import Severity
-
-DOCS_BASE_URI = "https://github.com/maingrad/maingrad/blob/main/docs/rules"
 
 
 @dataclass(frozen=True)
@@ -87,4 +86,4 @@ class Rule:
 
     @classmethod
     def help_uri(cls) -> str:
-        return f"{DOCS_BASE_URI}/{cls.id}.md"
+        return rule_doc_path(cls.id)

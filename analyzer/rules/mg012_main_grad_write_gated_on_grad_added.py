@@ -270,7 +270,9 @@ nothing on the 14 code bases of `docs/real-world.md`.
         for node in candidates:
             outer = _ast_outermost_def(index, node)
             value = _ast_written_value(node)
-            if value is not None and _ast_derives_from(value, _ast_bindings(outer) if outer else {}, 0):
+            if value is not None and _ast_derives_from(
+                value, syntax_index.local_bindings(outer) if outer else {}, 0
+            ):
                 continue
             writes.append(node)
             inner = next(
@@ -409,22 +411,6 @@ def _ast_outermost_def(index: SyntaxIndex, node: ast.AST) -> ast.AST | None:
         if type(ancestor) in (ast.FunctionDef, ast.AsyncFunctionDef):
             outer = ancestor
     return outer
-
-
-def _ast_bindings(func: ast.AST) -> dict[str, list[ast.AST]]:
-    out: dict[str, list[ast.AST]] = {}
-    for node in ast.walk(func):
-        if type(node) is ast.Assign:
-            for target in node.targets:
-                if type(target) is ast.Name:
-                    out.setdefault(target.id, []).append(node.value)
-        elif type(node) is ast.AnnAssign and node.value is not None and type(node.target) is ast.Name:
-            out.setdefault(node.target.id, []).append(node.value)
-        elif type(node) in (ast.For, ast.AsyncFor, ast.comprehension):
-            for name in ast.walk(node.target):  # type: ignore[attr-defined]
-                if type(name) is ast.Name:
-                    out.setdefault(name.id, []).append(node.iter)  # type: ignore[attr-defined]
-    return out
 
 
 def _ast_derives_from(expr: ast.AST, bindings: dict[str, list[ast.AST]], depth: int) -> bool:

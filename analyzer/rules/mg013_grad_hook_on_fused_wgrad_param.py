@@ -32,7 +32,7 @@ from maingrad.analyzer.facts import FUSE_WGRAD_FLAG, MAIN_GRAD
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.rules._common import code_of
 from maingrad.analyzer.rules.base import Example, Rule, Violation
-from maingrad.analyzer.syntax_index import SyntaxIndex
+from maingrad.analyzer.syntax_index import SyntaxIndex, local_bindings
 from maingrad.contracts.report import Severity
 
 _COLLECTIVES = frozenset(
@@ -343,7 +343,8 @@ Megatron-Bridge main (2026-08-22) `peft/utils.py`: the replicated-factor hook of
             bindings: dict[str, list[ast.AST]] = {}
             params: dict[str, ast.arg] = {}
             for func in defs:
-                for name, values in _ast_bindings(func).items():
+                # with the walrus bindings `check` adds
+                for name, values in local_bindings(func, walrus=True).items():
                     bindings.setdefault(name, []).extend(values)
                 args = func.args  # type: ignore[attr-defined]
                 for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
@@ -445,25 +446,6 @@ Megatron-Bridge main (2026-08-22) `peft/utils.py`: the replicated-factor hook of
 
 
 # `ast` mirrors for the gate ------------------------------------------------------------------------------
-def _ast_bindings(func: ast.AST) -> dict[str, list[ast.AST]]:
-    """`dataflow.local_bindings` plus the walrus bindings `check` adds."""
-    out: dict[str, list[ast.AST]] = {}
-    for node in ast.walk(func):
-        if type(node) is ast.Assign:
-            for target in node.targets:
-                if type(target) is ast.Name:
-                    out.setdefault(target.id, []).append(node.value)
-        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)):
-            target, value = node.target, node.value
-            if isinstance(target, ast.Name) and value is not None:
-                out.setdefault(target.id, []).append(value)
-        elif type(node) in (ast.For, ast.AsyncFor, ast.comprehension):
-            for name in ast.walk(node.target):  # type: ignore[attr-defined]
-                if type(name) is ast.Name:
-                    out.setdefault(name.id, []).append(node.iter)  # type: ignore[attr-defined]
-    return out
-
-
 def _ast_is_parameter(
     expr: ast.AST, bindings: dict[str, list[ast.AST]], params: dict[str, ast.arg], depth: int
 ) -> bool:

@@ -27,27 +27,16 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-import sys
 import time
 import timeit
 import traceback
-from pathlib import Path
 
-os.environ.setdefault("NVTE_FLASH_ATTN", "0")
-os.environ.setdefault("NVTE_FUSED_ATTN", "0")
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", "29561")
-os.environ.setdefault("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
+from moe_layer import FFN, TOKENS, E, H, prepare
+
+prepare(master_port=29561)
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
-
-E = int(os.environ.get("EXPERTS", "64"))
-H = int(os.environ.get("HIDDEN", "1024"))
-FFN = int(os.environ.get("FFN", "1024"))
-TOKENS = int(os.environ.get("TOKENS", "4096"))
 MB = int(os.environ.get("MB", "2"))
 ROUNDS = int(os.environ.get("ROUNDS", "12"))
 STEPS = int(os.environ.get("STEPS", "8"))

@@ -42,25 +42,14 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-os.environ.setdefault("NVTE_FLASH_ATTN", "0")
-os.environ.setdefault("NVTE_FUSED_ATTN", "0")
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", "29563")
-os.environ.setdefault("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
+from moe_layer import FFN, TOKENS, E, H, prepare
+
+prepare(master_port=29563)
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
-
-E = int(os.environ.get("EXPERTS", "64"))
-H = int(os.environ.get("HIDDEN", "1024"))
-FFN = int(os.environ.get("FFN", "1024"))
-TOKENS = int(os.environ.get("TOKENS", "4096"))
 STEPS = int(os.environ.get("STEPS", "4"))
 WARMUP = int(os.environ.get("WARMUP", "3"))
 REPEATS = int(os.environ.get("REPEATS", "5"))
@@ -258,6 +247,7 @@ class Phases:
 
 def measure(strategy: str) -> None:
     import mcore_hooks
+    import mcore_parts
 
     from maingrad.hooks import preflight
 
@@ -277,16 +267,7 @@ def measure(strategy: str) -> None:
     before = state(model, data)
 
     def timed(call) -> tuple[float, int]:
-        """Wall time and peak memory above the base of call(), from zeroed gradient buffers (the base holds no
-        gradient the optimizer reads, as before preflight)."""
-        model.zero_grad_buffer()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
+        return mcore_parts.timed(model, call)
 
     results = []
 

@@ -43,9 +43,9 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from mcore_parts import FSDP_STRATEGIES, gpt_model, wrap  # noqa: E402
 
 MODELS = ("moe", "moe-opfuser", "dense-fused", "dense-te", "gpt-local")
-FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 WRAPPERS = (*FSDP_STRATEGIES, "ddp", "ddp-distopt")
 S, BATCH, H, E, FFN, VOCAB = 128, 2, 256, 4, 256, 1024
 
@@ -96,19 +96,10 @@ def network(model: str, cfg, seed: int = 1234) -> torch.nn.Module:
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     if model == "gpt-local":
-        from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.module import Float16Module
 
-        net = GPTModel(
-            config=cfg,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=VOCAB,
-            max_sequence_length=S,
-            pre_process=True,
-            post_process=True,
-            share_embeddings_and_output_weights=False,
-        ).cuda()
+        net = gpt_model(cfg, get_gpt_layer_local_spec(), vocab=VOCAB, seq=S, tied=False)
         return Float16Module(cfg, net)  # as Megatron-LM's training loop does for bf16
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.module import MegatronModule
@@ -131,31 +122,6 @@ def network(model: str, cfg, seed: int = 1234) -> torch.nn.Module:
             return out[0] if isinstance(out, tuple) else out
 
     return Net(cfg).cuda()
-
-
-def wrap(cfg, net: torch.nn.Module, wrapper: str) -> torch.nn.Module:
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    if wrapper in FSDP_STRATEGIES:
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-        ddp = DistributedDataParallelConfig(
-            use_megatron_fsdp=True,
-            data_parallel_sharding_strategy=wrapper,
-            # Megatron-LM main rejects the sharded-gradient strategies without overlapped reduction
-            overlap_grad_reduce=wrapper in ("optim_grads", "optim_grads_params"),
-            overlap_param_gather=False,
-            use_distributed_optimizer=True,
-        )
-        return FullyShardedDataParallel(config=cfg, ddp_config=ddp, module=net)
-    from megatron.core.distributed import DistributedDataParallel
-
-    ddp = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=(wrapper == "ddp-distopt"),
-    )
-    return DistributedDataParallel(config=cfg, ddp_config=ddp, module=net)
 
 
 # -- data and the training code's own micro-batch ---------------------------------------------------------------

@@ -36,8 +36,10 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29581")
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
+import mcore_parts  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from mcore_parts import gpt_model  # noqa: E402
 
 
 def say(*args: object) -> None:
@@ -98,6 +100,13 @@ MOE = dict(layers=4, hidden=1024, heads=16, experts=8, topk=2, moe_ffn=1024)
 # (tensor_parallel/layers.py; docs/findings/runtime-megatron-core-layers-fsdp-overwrite.md).
 UPSTREAM_LAYERS = "upstream bug: tensor_parallel/layers.py Megatron-FSDP branch overwrites main_grad"
 
+
+def upstream(name: str, model: Model, target: str) -> Case:
+    """A ZOO model under Megatron-FSDP no_shard, which fails on `target` by UPSTREAM_LAYERS."""
+    return Case(name, model, "fsdp:no_shard", expect="fail", target=target, expect_codes=("grad_overwritten",),
+                note=UPSTREAM_LAYERS)  # fmt: skip
+
+
 ZOO: list[Case] = [
     Case("gpt125m-tied-ddp-bf16", Model(**GPT125), "ddp"),
     Case("gpt125m-untied-ddp-bf16", Model(**{**GPT125, "tied": False}), "ddp"),
@@ -105,28 +114,12 @@ ZOO: list[Case] = [
     Case("gpt125m-local-ddp-bf16", Model(**{**GPT125, "spec": "local"}), "ddp"),
     Case("gpt350m-tied-ddp-fp8", Model(**{**GPT350, "fp8": True}), "ddp"),
     Case("gpt541m-untied-ddp-bf16", Model(**GPT541), "ddp"),
-    Case(
-        "gpt541m-untied-fsdp-noshard-bf16",
-        Model(**GPT541),
-        "fsdp:no_shard",
-        expect="fail",
-        target="output_layer.weight",
-        expect_codes=("grad_overwritten",),
-        note=UPSTREAM_LAYERS,
-    ),  # fmt: skip
+    upstream("gpt541m-untied-fsdp-noshard-bf16", Model(**GPT541), "output_layer.weight"),
     Case("gpt1.2b-tied-ddp-bf16", Model(**GPT1B), "ddp"),
     Case("gpt125m-fsdp-optim-nofusion", Model(**{**GPT125, "fusion": False}), "fsdp:optim"),
     Case("gpt125m-fsdp-optimgrads-nofusion", Model(**{**GPT125, "fusion": False}), "fsdp:optim_grads"),
     Case("gpt125m-fsdp-ogp-nofusion", Model(**{**GPT125, "fusion": False}), "fsdp:optim_grads_params"),
-    Case(
-        "gpt125m-fsdp-noshard-fusion",
-        Model(**GPT125),
-        "fsdp:no_shard",
-        expect="fail",
-        target="embedding.word_embeddings.weight",
-        expect_codes=("grad_overwritten",),
-        note=UPSTREAM_LAYERS,
-    ),
+    upstream("gpt125m-fsdp-noshard-fusion", Model(**GPT125), "embedding.word_embeddings.weight"),
     Case("moe8-dropless-ddp-bf16", Model(**MOE), "ddp"),
     Case("moe8-dropping-ddp-bf16", Model(**{**MOE, "capacity": 1.0}), "ddp"),
     Case(
@@ -134,15 +127,7 @@ ZOO: list[Case] = [
         Model(**{**MOE, "experts": 64, "topk": 1, "moe_ffn": 256, "seq": 32}),
         "ddp",
     ),
-    Case(
-        "moe8-dropless-fsdp-noshard",
-        Model(**MOE),
-        "fsdp:no_shard",
-        expect="fail",
-        target="embedding.word_embeddings.weight",
-        expect_codes=("grad_overwritten",),
-        note=UPSTREAM_LAYERS,
-    ),
+    upstream("moe8-dropless-fsdp-noshard", Model(**MOE), "embedding.word_embeddings.weight"),
     Case("torchgpt-fsdp2-bf16", Model(layers=6, hidden=512, heads=8, spec="torch"), "fsdp2"),
     Case("torchgpt-fsdp2-fp32", Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"), "fsdp2"),
     Case(
@@ -154,135 +139,36 @@ ZOO: list[Case] = [
 
 L = "decoder.layers"
 _BUG_MODEL = Model(**GPT125)
-_MOE_MODEL = Model(**MOE)
+
+
+def bug(
+    name: str, kind: str, target: str, *codes: str, model: Model = _BUG_MODEL, wrapper: str = "ddp"
+) -> Case:
+    """A case of BUGS: `kind` injected into `target`; preflight must fail naming it with one of `codes`."""
+    return Case(name, model, wrapper, bug=kind, target=target, expect="fail", expect_codes=codes)
+
+
 BUGS: list[Case] = [
-    Case(
-        "bug-overwrite",
-        _BUG_MODEL,
-        "ddp",
-        bug="overwrite",
-        target=f"{L}.5.mlp.linear_fc1.weight",
-        expect="fail",
-        expect_codes=("grad_overwritten",),
-    ),  # fmt: skip
-    Case(
-        "bug-half",
-        _BUG_MODEL,
-        "ddp",
-        bug="x0.5",
-        target=f"{L}.3.self_attention.linear_proj.weight",
-        expect="fail",
-        expect_codes=("grad_scaled",),
-    ),  # fmt: skip
-    Case(
-        "bug-x2",
-        _BUG_MODEL,
-        "ddp",
-        bug="x2",
-        target=f"{L}.7.mlp.linear_fc2.weight",
-        expect="fail",
-        expect_codes=("grad_scaled",),
-    ),  # fmt: skip
-    Case(
-        "bug-x3-norm",
-        _BUG_MODEL,
-        "ddp",
-        bug="x3",
-        target=f"{L}.4.mlp.linear_fc1.layer_norm_weight",
-        expect="fail",
-        expect_codes=("grad_scaled",),
-    ),  # fmt: skip
-    Case(
-        "bug-x1.3-fp32",
-        Model(**{**GPT125, "dtype": "fp32"}),
-        "ddp",
-        bug="x1.3",
-        target=f"{L}.6.self_attention.linear_qkv.weight",
-        expect="fail",
-        expect_codes=("grad_scaled",),
-    ),
-    Case(
-        "bug-dropped",
-        _BUG_MODEL,
-        "ddp",
-        bug="drop",
-        target=f"{L}.2.self_attention.linear_qkv.weight",
-        expect="fail",
-        expect_codes=("grad_lost",),
-    ),  # fmt: skip
-    Case(
-        "bug-periodic-half",
-        _BUG_MODEL,
-        "ddp",
-        bug="periodic",
-        target=f"{L}.8.mlp.linear_fc2.weight",
-        expect="fail",
-        expect_codes=("grad_inconsistent", "grad_scaled", "grad_overwritten", "grad_lost"),
-    ),
-    Case(
-        "bug-position3-lost",
-        _BUG_MODEL,
-        "ddp",
-        bug="position3",
-        target=f"{L}.1.mlp.linear_fc1.weight",
-        expect="fail",
-        expect_codes=("grad_inconsistent", "grad_lost", "grad_overwritten"),
-    ),
-    Case(
-        "bug-stale",
-        _BUG_MODEL,
-        "ddp",
-        bug="stale",
-        target=f"{L}.9.self_attention.linear_proj.weight",
-        expect="fail",
-        expect_codes=("grad_stale", "grad_inconsistent", "grad_nondeterministic"),
-    ),
-    Case(
-        "bug-expert-lost",
-        _MOE_MODEL,
-        "ddp",
-        bug="drop",
-        target=f"{L}.2.mlp.experts.linear_fc1.weight3",
-        expect="fail",
-        expect_codes=("grad_lost",),
-    ),  # fmt: skip
-    Case(
-        "bug-embedding-x2-tied",
-        _BUG_MODEL,
-        "ddp",
-        bug="x2",
-        target="embedding.word_embeddings.weight",
-        expect="fail",
-        expect_codes=("grad_scaled",),
-    ),  # fmt: skip
-    Case(
-        "bug-fsdp2-x3",
-        Model(layers=6, hidden=512, heads=8, spec="torch"),
-        "fsdp2",
-        bug="x3",
-        target="layers.2.mlp.0.weight",
-        expect="fail",
-        expect_codes=("grad_scaled",),
-    ),
-    Case(
-        "bug-fsdp-noshard-x0.5",
-        _BUG_MODEL,
-        "fsdp:no_shard",
-        bug="x0.5",
-        target=f"{L}.10.mlp.linear_fc2.weight",
-        expect="fail",
-        expect_codes=("grad_scaled",),
-    ),
-    Case(
-        "bug-541m-overwrite",
-        Model(**GPT541),
-        "ddp",
-        bug="overwrite",
-        target=f"{L}.4.mlp.linear_fc2.weight",
-        expect="fail",
-        expect_codes=("grad_overwritten",),
-    ),  # fmt: skip
-]
+    bug("bug-overwrite", "overwrite", f"{L}.5.mlp.linear_fc1.weight", "grad_overwritten"),
+    bug("bug-half", "x0.5", f"{L}.3.self_attention.linear_proj.weight", "grad_scaled"),
+    bug("bug-x2", "x2", f"{L}.7.mlp.linear_fc2.weight", "grad_scaled"),
+    bug("bug-x3-norm", "x3", f"{L}.4.mlp.linear_fc1.layer_norm_weight", "grad_scaled"),
+    bug("bug-x1.3-fp32", "x1.3", f"{L}.6.self_attention.linear_qkv.weight", "grad_scaled",
+        model=Model(**{**GPT125, "dtype": "fp32"})),
+    bug("bug-dropped", "drop", f"{L}.2.self_attention.linear_qkv.weight", "grad_lost"),
+    bug("bug-periodic-half", "periodic", f"{L}.8.mlp.linear_fc2.weight",
+        "grad_inconsistent", "grad_scaled", "grad_overwritten", "grad_lost"),
+    bug("bug-position3-lost", "position3", f"{L}.1.mlp.linear_fc1.weight",
+        "grad_inconsistent", "grad_lost", "grad_overwritten"),
+    bug("bug-stale", "stale", f"{L}.9.self_attention.linear_proj.weight",
+        "grad_stale", "grad_inconsistent", "grad_nondeterministic"),
+    bug("bug-expert-lost", "drop", f"{L}.2.mlp.experts.linear_fc1.weight3", "grad_lost", model=Model(**MOE)),
+    bug("bug-embedding-x2-tied", "x2", "embedding.word_embeddings.weight", "grad_scaled"),
+    bug("bug-fsdp2-x3", "x3", "layers.2.mlp.0.weight", "grad_scaled",
+        model=Model(layers=6, hidden=512, heads=8, spec="torch"), wrapper="fsdp2"),
+    bug("bug-fsdp-noshard-x0.5", "x0.5", f"{L}.10.mlp.linear_fc2.weight", "grad_scaled", wrapper="fsdp:no_shard"),
+    bug("bug-541m-overwrite", "overwrite", f"{L}.4.mlp.linear_fc2.weight", "grad_overwritten", model=Model(**GPT541)),
+]  # fmt: skip
 CASES = {c.name: c for c in ZOO + BUGS}
 
 
@@ -380,7 +266,6 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
                 fully_shard(layer)
             fully_shard(net)
         return net, None
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -396,38 +281,18 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=m.experts, moe_grouped_gemm=True)
     else:
         spec = get_gpt_layer_with_transformer_engine_spec()
-    net: torch.nn.Module = GPTModel(
-        config=cfg,
-        transformer_layer_spec=spec,
-        vocab_size=m.vocab,
-        max_sequence_length=m.seq,
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=m.tied,
-    ).cuda()
+    net = gpt_model(cfg, spec, vocab=m.vocab, seq=m.seq, tied=m.tied)
     if m.dtype == "bf16":
         net = Float16Module(cfg, net)
     return wrap(cfg, net, case.wrapper), cfg
 
 
 def wrap(cfg, net: torch.nn.Module, wrapper: str) -> torch.nn.Module:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
+    """The case's wrapper: `fsdp:<strategy>` (Megatron-FSDP), `ddp` (Megatron DDP), else `net` as it is."""
     if wrapper.startswith("fsdp:"):
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-        strategy = wrapper.split(":", 1)[1]
-        ddp = DistributedDataParallelConfig(
-            use_megatron_fsdp=True,
-            data_parallel_sharding_strategy=strategy,
-            overlap_grad_reduce=strategy in ("optim_grads", "optim_grads_params"),
-            overlap_param_gather=False,
-            use_distributed_optimizer=True,
-        )
-        return FullyShardedDataParallel(config=cfg, ddp_config=ddp, module=net)
+        return mcore_parts.wrap(cfg, net, wrapper.split(":", 1)[1])
     if wrapper == "ddp":
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
-        return DistributedDataParallel(config=cfg, ddp_config=ddp, module=net)
+        return mcore_parts.wrap(cfg, net, "ddp")
     return net
 
 
@@ -653,14 +518,7 @@ def cost(case: Case, rounds: int) -> dict[str, Any]:
         optimizer.step()
 
     def timed(call: Callable[[], Any]) -> tuple[float, int]:
-        model.zero_grad_buffer()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
+        return mcore_parts.timed(model, call)
 
     results: list[Any] = []
 

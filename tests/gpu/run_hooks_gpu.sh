@@ -6,13 +6,7 @@
 #   bash tests/gpu/run_hooks_gpu.sh t     # the pytest file on 0.18.2, then on 0.19.2
 # Logs, JSON results and JSONL records go to $OUT (default ./gpu-out).
 set -u
-OUT=${OUT:-./gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-MG=${MG:-/tmp/mgh}
-if [ ! -d "$MG/maingrad/hooks" ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$MG" . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
-fi
+source "$(dirname "$0")/gpu_setup.sh" /tmp/mgh
 run() {  # run NAME MEGATRON_DIR ARGS...
   local name=$1 mc=$2; shift 2
   echo "### $name: $*"

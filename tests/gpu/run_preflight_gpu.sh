@@ -5,13 +5,7 @@
 #   bash tests/gpu/run_preflight_gpu.sh bench MEGATRON_DIR TAG                 # benchmarks/gpu/preflight_cost.py
 # Logs and JSON go to $OUT/TAG-*.{log,json}; each case's verdict line starts with VERDICT.
 set -u
-OUT=${OUT:-./gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-MG=${MG:-/tmp/mg}
-if [ ! -d "$MG/maingrad/hooks" ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$MG" . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
-fi
+source "$(dirname "$0")/gpu_setup.sh" /tmp/mg
 what=$1 mc=$2 tag=$3; shift 3
 PP=$MG:/tmp/site:$mc:$(pwd)/tests/gpu/stub
 TE_CASES="moe/optim_grads_params/fusion moe/no_shard/fusion moe/optim/fusion moe/optim_grads_params/nofusion

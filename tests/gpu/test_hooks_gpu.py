@@ -71,6 +71,14 @@ def _ref_wgrads(x, dy):
     return out
 
 
+def _installed_op(mode: str):
+    """The Megatron-FSDP-like op with maingrad's hooks installed in `mode`, and the first inputs for it."""
+    from maingrad.hooks import install
+
+    seq, _, _ = _fsdp_like_op()
+    return seq, install(seq, mode), _inputs(1)
+
+
 def _run(seq, x, dy):
     splits = torch.tensor(SPLITS, dtype=torch.int64, device="cuda")
     y = seq(x.clone().requires_grad_(True), splits)
@@ -112,11 +120,9 @@ def test_te_op_fuser_fails_without_hooks_and_accumulates_with_them() -> None:
 
 @needs_te
 def test_te_check_mode_raises_before_te() -> None:
-    from maingrad.hooks import MainGradContractError, install
+    from maingrad.hooks import MainGradContractError
 
-    seq, _, _ = _fsdp_like_op()
-    handle = install(seq, "check")
-    x, dy = _inputs(1)
+    seq, handle, (x, dy) = _installed_op("check")
     with pytest.raises(MainGradContractError, match="weight0"):
         _run(seq, x, dy)
     handle.remove()
@@ -124,11 +130,7 @@ def test_te_check_mode_raises_before_te() -> None:
 
 @needs_te
 def test_te_hook_bodies_never_sync() -> None:
-    from maingrad.hooks import install
-
-    seq, _, _ = _fsdp_like_op()
-    handle = install(seq, "fix")
-    x, dy = _inputs(1)
+    seq, handle, (x, dy) = _installed_op("fix")
     _run(seq, x, dy)  # exposes and records once outside the check
     (site,) = handle._sites
     torch.cuda.set_sync_debug_mode("error")

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 
 import torch
@@ -947,10 +947,11 @@ def mse_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return ((model(x) - target) ** 2).mean()
 
 
-def mse_microbatch(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    loss = mse_loss(model, batch)
-    loss.backward()
-    return loss.detach()
+def fp32_mse_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """The bf16 models' loss in fp32: a bf16 loss moves in steps of 2^-8 of itself, too coarse for the
+    finite differences of an 8-wide layer (they would be inconclusive, not wrong)."""
+    x, target = batch
+    return ((model(x).float() - target.float()) ** 2).mean()
 
 
 def moe_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
@@ -958,7 +959,19 @@ def moe_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return ((model(x, SPLITS) - target) ** 2).mean()
 
 
-def moe_microbatch(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    loss = moe_loss(model, batch)
-    loss.backward()
-    return loss.detach()
+def microbatch_of(
+    loss_fn: Callable[[torch.nn.Module, tuple], torch.Tensor],
+) -> Callable[[torch.nn.Module, tuple], torch.Tensor]:
+    """The training code's micro-batch for preflight: forward and loss, backward, the loss's value."""
+
+    def run_microbatch(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        return loss.detach()
+
+    return run_microbatch
+
+
+mse_microbatch = microbatch_of(mse_loss)
+fp32_mse_microbatch = microbatch_of(fp32_mse_loss)
+moe_microbatch = microbatch_of(moe_loss)

@@ -222,6 +222,12 @@ _GPT_TARGETS = {
     "embedding": "emb.weight",
 }
 _MLP_TARGETS = {"one": "layers.1.weight", "other": "layers.0.weight", "bias": "layers.2.bias"}
+_MOE_TARGETS = {
+    "one": "experts.1.w1.weight",
+    "other": "inp.weight",
+    "bias": "out.bias",
+    "expert": "experts.0",
+}
 
 MODELS: dict[str, ModelCase] = {
     case.name: case
@@ -246,18 +252,7 @@ MODELS: dict[str, ModelCase] = {
         ModelCase(
             "gpt-bf16", _seeded(TinyGPT, torch.bfloat16), cross_entropy, token_batches, targets=_GPT_TARGETS
         ),
-        ModelCase(
-            "moe",
-            _seeded(TinyMoE),
-            mse,
-            regression_batches,
-            targets={
-                "one": "experts.1.w1.weight",
-                "other": "inp.weight",
-                "bias": "out.bias",
-                "expert": "experts.0",
-            },
-        ),  # fmt: skip
+        ModelCase("moe", _seeded(TinyMoE), mse, regression_batches, targets=_MOE_TARGETS),
         ModelCase(
             "cnn",
             _seeded(CNN),
@@ -269,19 +264,7 @@ MODELS: dict[str, ModelCase] = {
         ModelCase(
             "gpt-ddp", _seeded(TinyGPT), cross_entropy, token_batches, wrapper="ddp", targets=_GPT_TARGETS
         ),
-        ModelCase(
-            "moe-ddp",
-            _seeded(TinyMoE),
-            mse,
-            regression_batches,
-            wrapper="ddp",
-            targets={
-                "one": "experts.1.w1.weight",
-                "other": "inp.weight",
-                "bias": "out.bias",
-                "expert": "experts.0",
-            },
-        ),  # fmt: skip
+        ModelCase("moe-ddp", _seeded(TinyMoE), mse, regression_batches, wrapper="ddp", targets=_MOE_TARGETS),
         ModelCase(
             "dense-fsdp",
             _seeded(lambda: DenseBlock("te", hidden=12)),

@@ -239,6 +239,20 @@ def server():
     httpd.server_close()
 
 
+def _send_all(sink: HttpSink, records: list[dict]) -> HttpSink:
+    """One run's whole life on `sink`: open, emit `records`, close (which waits for the queue, or gives up)."""
+    sink.open(RunMeta("r", 0, "observe", None))
+    sink.emit(records)
+    sink.close()
+    return sink
+
+
+def _send_batches_of_5(httpd: ThreadingHTTPServer, n: int) -> HttpSink:
+    """`n` records sent to the test server in batches of 5."""
+    sink = HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", batch_size=5)
+    return _send_all(sink, [{"n": i} for i in range(n)])
+
+
 def _record_posts(handler: type[_Collector]) -> list[tuple[str, dict, bytes]]:
     return [r for r in handler.requests if "/records" in r[0]]
 
@@ -290,17 +304,12 @@ def test_http_sink_drops_when_full_and_never_blocks(server) -> None:
 def test_http_sink_counts_failures(server) -> None:
     httpd, handler = server
     handler.status = 401
-    sink = HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", batch_size=5)
-    sink.open(RunMeta("r", 0, "observe", None))
-    sink.emit([{"n": i} for i in range(12)])
-    sink.close()
+    sink = _send_batches_of_5(httpd, 12)
     assert sink.failed == 12 and sink.sent == 0 and sink.last_status == 401
     assert len(_record_posts(handler)) == 3 and sink.retried == 0  # a 4xx is never tried again
     assert json.loads(handler.requests[-1][2])["lost"] == 12 and not sink.ended  # the end marker says so
     dead = HttpSink("http://127.0.0.1:9", "p", timeout=2, backoff=0.01)  # nothing listens on the discard port
-    dead.open(RunMeta("r", 0, "observe", None))
-    dead.emit([{"n": 1}])
-    dead.close()
+    _send_all(dead, [{"n": 1}])
     assert dead.failed == 1 and dead.retried == 3 and "URLError" in dead.stats()["last_error"]
 
 
@@ -309,18 +318,12 @@ def test_http_sink_retries_a_server_shedding_load(server) -> None:
     """503 + Retry-After (the service shedding load) delays a batch, it does not lose it."""
     httpd, handler = server
     handler.shed = 2
-    sink = HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", batch_size=5)
-    sink.open(RunMeta("r", 0, "observe", None))
-    sink.emit([{"n": i} for i in range(10)])
-    sink.close()
+    sink = _send_batches_of_5(httpd, 10)
     assert (sink.sent, sink.failed, sink.retried, len(_record_posts(handler))) == (10, 0, 2, 4)
     bodies = [body for _, _, body in _record_posts(handler)]
     assert sorted(set(bodies)) == sorted(bodies[2:])  # the two shed posts were re-sent as they were
     handler.shed = 10  # more than the retries allow: counted as failed, never raised
-    stubborn = HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", retries=2)
-    stubborn.open(RunMeta("r", 0, "observe", None))
-    stubborn.emit([{"n": 1}])
-    stubborn.close()
+    stubborn = _send_all(HttpSink(f"http://127.0.0.1:{httpd.server_port}", "p", retries=2), [{"n": 1}])
     assert (stubborn.sent, stubborn.failed, stubborn.retried, stubborn.last_status) == (0, 1, 2, 503)
 
 

@@ -11,22 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from emulators import DenseBlock, MainWeightsFSDP, dense_batches
+from emulators import DenseBlock, MainWeightsFSDP, dense_batches, fp32_mse_loss, fp32_mse_microbatch
 
 from maingrad.hooks.preflight.run import preflight
-
-
-def mse_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    """The bf16 models' loss in fp32: a bf16 loss moves in steps of 2^-8 of itself, too coarse for the
-    finite differences of an 8-wide layer (they would be inconclusive, not wrong)."""
-    x, target = batch
-    return ((model(x).float() - target.float()) ** 2).mean()
-
-
-def mse_microbatch(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    loss = mse_loss(model, batch)
-    loss.backward()
-    return loss.detach()
 
 
 class GatheredFSDP(MainWeightsFSDP):
@@ -107,7 +94,7 @@ def _check_call_order(calls: list[str], syncs: bool = True) -> None:
             in_run = False
 
 
-@pytest.mark.parametrize("loss_fn", [mse_loss, None], ids=["loss_fn", "run_microbatch"])
+@pytest.mark.parametrize("loss_fn", [fp32_mse_loss, None], ids=["loss_fn", "run_microbatch"])
 @pytest.mark.parametrize("n", [2, 1], ids=["A,B", "A twice"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_forward_after_changed_weights_always_follows_a_sync(case: str, n: int, loss_fn) -> None:
@@ -115,8 +102,8 @@ def test_a_forward_after_changed_weights_always_follows_a_sync(case: str, n: int
     plain = _bf16(MainWeightsFSDP, middle, strategy, semantics)
     gathered = _bf16(GatheredFSDP, middle, strategy, semantics)
     before = {k: v.detach().clone() for k, v in gathered.raw.items()}
-    reference = preflight(plain, mse_microbatch, _batches(n), loss_fn=loss_fn)
-    result = preflight(gathered, mse_microbatch, _batches(n), loss_fn=loss_fn)
+    reference = preflight(plain, fp32_mse_microbatch, _batches(n), loss_fn=loss_fn)
+    result = preflight(gathered, fp32_mse_microbatch, _batches(n), loss_fn=loss_fn)
 
     assert result.error is None, result.error
     assert _verdicts(result) == _verdicts(reference) == expected, result.table()
@@ -138,7 +125,7 @@ def test_sync_counts_on_a_failing_model() -> None:
     the sequence (B, C, A), the repeat of A. The sync comes before A and after each install only (not before
     every run), the zero only where a backward ran since the last one, plus the final clean-up."""
     model = _bf16(GatheredFSDP, "te", "optim_grads_params")
-    result = preflight(model, mse_microbatch, _batches(3), loss_fn=mse_loss)
+    result = preflight(model, fp32_mse_microbatch, _batches(3), loss_fn=fp32_mse_loss)
     assert result.status == "fail"
     installs = result.cost["loss_evaluations"] + result.cost["fd_rounds"]
     assert model.calls.count("install") == installs
@@ -163,9 +150,9 @@ def test_an_error_during_the_finite_differences_leaves_the_forward_weights_resto
         calls["n"] += 1
         if calls["n"] == fail_at:  # 1, 2: the noise's perturbed forwards; 3: a group's
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return mse_loss(m, batch)
+        return fp32_mse_loss(m, batch)
 
-    result = preflight(model, mse_microbatch, _batches(2), loss_fn=flaky_loss)
+    result = preflight(model, fp32_mse_microbatch, _batches(2), loss_fn=flaky_loss)
     assert result.status == "error" and "illegal memory access" in (result.error or "")
     assert all(torch.equal(before[k], model.raw[k]) for k in before)  # what the forward computes with
     assert all(torch.equal(main_before[k], model.dist[k]) for k in main_before)

@@ -14,25 +14,18 @@ import random
 
 import pytest
 import torch
-from emulators import DenseBlock, MainWeightsFSDP, MegatronFSDP, dense_batches
+from emulators import (
+    DenseBlock,
+    MainWeightsFSDP,
+    MegatronFSDP,
+    dense_batches,
+    fp32_mse_loss,
+    fp32_mse_microbatch,
+)
 
 from maingrad.hooks.preflight import run as preflight_module
 from maingrad.hooks.preflight.measure import copy_dtype, unit_roundoff
 from maingrad.hooks.preflight.run import preflight
-
-
-def mse_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    """The bf16 models' loss in fp32: a bf16 loss moves in steps of 2^-8 of itself, too coarse for the
-    finite differences of an 8-wide layer (they would be inconclusive, not wrong)."""
-    x, target = batch
-    return ((model(x).float() - target.float()) ** 2).mean()
-
-
-def mse_microbatch(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    loss = mse_loss(model, batch)
-    loss.backward()
-    return loss.detach()
-
 
 U = unit_roundoff(torch.bfloat16)
 
@@ -47,7 +40,7 @@ def _run(make, rounded: bool, monkeypatch: pytest.MonkeyPatch, n: int = 2, token
             m.setattr(preflight_module, "copy_dtype", lambda grad_dtype, tolerance: grad_dtype)
         torch.manual_seed(0)
         model = make()
-        return preflight(model, mse_microbatch, _bf16_batches(n, tokens), loss_fn=mse_loss)
+        return preflight(model, fp32_mse_microbatch, _bf16_batches(n, tokens), loss_fn=fp32_mse_loss)
 
 
 def _verdicts(result) -> dict[str, list[str]]:
@@ -186,7 +179,7 @@ def test_rounded_copy_leaves_no_trace() -> None:
     random.seed(3)
     before = {n: p.detach().clone() for n, p in [*model.raw.items(), *model.dist.items()]}
     rng, py_rng = torch.get_rng_state().clone(), random.getstate()
-    result = preflight(model, mse_microbatch, _bf16_batches(), loss_fn=mse_loss)
+    result = preflight(model, fp32_mse_microbatch, _bf16_batches(), loss_fn=fp32_mse_loss)
     assert result.status == "fail" and result.cost["copy_bytes"] > 0
     assert all(torch.equal(before[n], p) for n, p in [*model.raw.items(), *model.dist.items()])
     assert torch.equal(rng, torch.get_rng_state()) and py_rng == random.getstate()

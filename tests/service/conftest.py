@@ -10,6 +10,7 @@ import os
 import uuid
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,16 +59,23 @@ def drop_pg_schema(schema: str) -> None:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-@pytest.fixture(scope="session", params=BACKENDS)
-def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'maingrad.db'}"
-        return
+@contextmanager
+def pg_schema_url() -> Iterator[str]:
+    """The URL of a fresh PostgreSQL schema, dropped afterwards."""
     url, schema = make_pg_schema()
     try:
         yield url
     finally:
         drop_pg_schema(schema)
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'maingrad.db'}"
+    else:
+        with pg_schema_url() as url:
+            yield url
 
 
 @pytest.fixture
@@ -75,12 +83,9 @@ def fresh_database_url(request: pytest.FixtureRequest, database_url: str, tmp_pa
     """An empty database of the session's backend, for tests that need one to themselves."""
     if database_url.startswith("sqlite"):
         yield f"sqlite:///{tmp_path / 'fresh.db'}"
-        return
-    url, schema = make_pg_schema()
-    try:
-        yield url
-    finally:
-        drop_pg_schema(schema)
+    else:
+        with pg_schema_url() as url:
+            yield url
 
 
 def settings_for(url: str, **over: Any) -> Settings:
@@ -120,6 +125,18 @@ class ProjectCtx:
             content=data,
             headers=self.headers("upload", **kw.pop("headers", {})),
         )
+
+    def every_item(self, suffix: str, limit: int) -> list[Any]:
+        """Every item of a paginated listing, `limit` a page, following `next_cursor` to the end."""
+        items: list[Any] = []
+        cursor = None
+        while True:
+            params = {"limit": str(limit), **({"cursor": cursor} if cursor else {})}
+            page = self.client.get(self.url(suffix), params=params, headers=self.headers("read")).json()
+            items += page["items"]
+            cursor = page["next_cursor"]
+            if not cursor:
+                return items
 
     def gate(self, commit: str, base: str | None = None) -> dict[str, Any]:
         params = {"commit_sha": commit, **({"base_sha": base} if base else {})}

@@ -1,7 +1,9 @@
-"""Builders for service tests: reports, SARIF logs, records, and a real uvicorn server in a subprocess."""
+"""Builders for service tests: reports, SARIF logs, records, a real uvicorn server in a subprocess, the
+`maingrad` command line, and ASGI requests straight through a middleware."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,6 +157,62 @@ def record(
 
 def ndjson(records: list[dict[str, Any]]) -> bytes:
     return ("\n".join(json.dumps(r) for r in records) + "\n").encode()
+
+
+CLI = [sys.executable, "-m", "maingrad.cli.main"]
+
+
+def cli_env(*, keep_test_database: bool) -> dict[str, str]:
+    """The environment a test's `maingrad` command runs with: none of the caller's MAINGRAD_, GITHUB_ or CI_
+    variables (but MAINGRAD_TEST_POSTGRES_URL if `keep_test_database`), and the tests' secret."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MAINGRAD_", "GITHUB_", "CI_"))
+        or (keep_test_database and k == "MAINGRAD_TEST_POSTGRES_URL")
+    }
+    env["MAINGRAD_SECRET"] = SECRET
+    return env
+
+
+def run_cli(*args: str, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`maingrad ARGS` to its end, its output captured as text."""
+    return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """`maingrad ARGS` in the background, its output piped as text (`communicate()` collects it)."""
+    return subprocess.Popen(
+        [*CLI, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+
+
+def held_app(release: asyncio.Event) -> ASGIApp:
+    """An ASGI app whose every request waits for `release`, then answers 200 "ok"."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return app
+
+
+async def asgi_get(app: ASGIApp, path: str) -> tuple[int, dict[bytes, bytes]]:
+    """A GET of `path` straight through the ASGI `app`: the status and headers it starts its answer with."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    await app({"type": "http", "path": path, "method": "GET", "headers": []}, receive, send)
+    return int(sent[0]["status"]), dict(sent[0]["headers"])
 
 
 def free_port() -> int:

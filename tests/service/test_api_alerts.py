@@ -64,16 +64,7 @@ def test_triage_is_audited_and_needs_a_reason(project: ProjectCtx) -> None:
 
 def test_alert_pagination_and_404(project: ProjectCtx) -> None:
     project.upload(report(*[finding(line=i, snippet=f"call_{i}()") for i in range(7)]), sha(20))
-    ids, cursor = [], None
-    while True:
-        params = {"limit": "3", **({"cursor": cursor} if cursor else {})}
-        page = project.client.get(
-            project.url("/alerts"), params=params, headers=project.headers("read")
-        ).json()
-        ids += [i["id"] for i in page["items"]]
-        cursor = page["next_cursor"]
-        if not cursor:
-            break
+    ids = [i["id"] for i in project.every_item("/alerts", limit=3)]
     assert len(ids) == 7 and ids == sorted(ids, reverse=True)
     r = project.client.get(project.url("/alerts/999999"), headers=project.headers("read"))
     assert r.status_code == 404 and r.json()["code"] == "alert_not_found"

@@ -141,16 +141,7 @@ def test_timeline_and_aggregates(project: ProjectCtx) -> None:
 def test_raw_records_are_kept_and_paginated(project: ProjectCtx) -> None:
     recs = [record("rp", i, extra_field={"future": i}) for i in range(7)]
     post(project, "rp", ndjson(recs))
-    seen, cursor = [], None
-    while True:
-        params = {"limit": 3, **({"cursor": cursor} if cursor else {})}
-        page = project.client.get(
-            project.url("/runs/rp/records"), params=params, headers=project.headers("read")
-        ).json()
-        seen += page["items"]
-        cursor = page["next_cursor"]
-        if not cursor:
-            break
+    seen = project.every_item("/runs/rp/records", limit=3)
     assert [s["id"] for s in seen] == sorted(r["id"] for r in recs)  # keyset pages in record-id order
     by_id = {s["id"]: s["record"] for s in seen}
     assert by_id[recs[3]["id"]]["extra_field"] == {"future": 3}

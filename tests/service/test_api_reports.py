@@ -215,16 +215,7 @@ def test_analysis_as_sarif_round_trips_every_result(project: ProjectCtx) -> None
 def test_commits_listing_and_pagination(project: ProjectCtx) -> None:
     for i in range(5):
         assert project.upload(report(), sha(100 + i)).status_code == 201
-    seen, cursor = [], None
-    while True:
-        params = {"limit": 2, **({"cursor": cursor} if cursor else {})}
-        page = project.client.get(
-            project.url("/commits"), params=params, headers=project.headers("read")
-        ).json()
-        seen += [c["sha"] for c in page["items"]]
-        cursor = page["next_cursor"]
-        if not cursor:
-            break
+    seen = [c["sha"] for c in project.every_item("/commits", limit=2)]
     assert seen == [sha(100 + i) for i in reversed(range(5))]
     bad = project.client.get(
         project.url("/commits"), params={"cursor": "!!!"}, headers=project.headers("read")

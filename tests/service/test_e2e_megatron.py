@@ -9,32 +9,23 @@ no fakes.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from svc_helpers import SECRET, Server
+from svc_helpers import Server, cli_env, run_cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from testbeds import testbed as unpacked_testbed  # noqa: E402 (not named test*: pytest would collect it)
 
 pytestmark = pytest.mark.slow
-ENV = {k: v for k, v in os.environ.items() if not k.startswith(("MAINGRAD_", "GITHUB_", "CI_"))}
-ENV["MAINGRAD_SECRET"] = SECRET
+ENV = cli_env(keep_test_database=False)
 
 
 def mg(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "maingrad.cli.main", *args],
-        cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_cli(*args, cwd=cwd, env=ENV, timeout=600)
 
 
 def analyze(name: str, out: Path) -> dict:  # type: ignore[type-arg]

@@ -18,7 +18,20 @@ from typing import Any
 import httpx
 import pytest
 from conftest import PG_URL, ProjectCtx, new_project
-from svc_helpers import ADMIN, Server, finding, ndjson, record, report, sarif, sarif_result, sha, unique
+from svc_helpers import (
+    ADMIN,
+    Server,
+    asgi_get,
+    finding,
+    held_app,
+    ndjson,
+    record,
+    report,
+    sarif,
+    sarif_result,
+    sha,
+    unique,
+)
 
 from maingrad.contracts.records import end_marker
 from maingrad.service import reports as reports_module
@@ -206,25 +219,10 @@ def test_n4_admission_keys() -> None:
 
 def test_n4_one_project_cannot_take_every_slot() -> None:
     release = asyncio.Event()
-
-    async def slow_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        await release.wait()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    shed = LoadShedMiddleware(slow_app, limit=8, retry_after_s=1, per_key_limit=6)
+    shed = LoadShedMiddleware(held_app(release), limit=8, retry_after_s=1, per_key_limit=6)
 
     async def call(path: str) -> int:
-        sent: list[dict[str, Any]] = []
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        await shed({"type": "http", "path": path, "method": "GET", "headers": []}, receive, send)
-        return int(sent[0]["status"])
+        return (await asgi_get(shed, path))[0]
 
     async def scenario() -> tuple[list[int], list[int]]:
         beta = [asyncio.create_task(call("/api/v1/projects/beta/gate")) for _ in range(20)]

@@ -6,41 +6,42 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from conftest import PG_URL, ProjectCtx
-from svc_helpers import ADMIN, SECRET, Server, TcpProxy, finding, ndjson, record, report, sha
+from svc_helpers import (
+    ADMIN,
+    Server,
+    TcpProxy,
+    asgi_get,
+    cli_env,
+    finding,
+    held_app,
+    ndjson,
+    record,
+    report,
+    run_cli,
+    sha,
+    start_cli,
+)
 
 from maingrad.contracts.records import end_marker
 from maingrad.service.shedding import LoadShedMiddleware
 
-CLI_ENV = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith(("MAINGRAD_", "GITHUB_", "CI_")) or k == "MAINGRAD_TEST_POSTGRES_URL"
-}
-CLI_ENV["MAINGRAD_SECRET"] = SECRET
+CLI_ENV = cli_env(keep_test_database=True)
 
 
 def mg(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "maingrad.cli.main", *args],
-        cwd=cwd,
-        env=CLI_ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(*args, cwd=cwd, env=CLI_ENV, timeout=timeout)
 
 
 def post_records(project: ProjectCtx, run: str, commit: str, n: int = 4, **over: Any) -> None:
@@ -142,14 +143,11 @@ def test_d5_gate_wait_holds_until_the_failing_analysis_lands(fresh_database_url:
             headers=headers,
         )
         assert r.status_code == 200 and r.json()["complete"], r.text
-        gate = subprocess.Popen(
-            [sys.executable, "-m", "maingrad.cli.main", "gate", "--url", server.url, "--token", secret]
-            + ["--commit", commit, "--require", "maingrad,runtime", "--wait", "60"],
+        gate = start_cli(
+            *("gate", "--url", server.url, "--token", secret),
+            *("--commit", commit, "--require", "maingrad,runtime", "--wait", "60"),
             cwd=tmp_path,
             env=CLI_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
         )
         time.sleep(3)
         assert gate.poll() is None  # still waiting: the analysis has not arrived
@@ -174,43 +172,16 @@ def test_d6_gate_wait_against_a_hung_server_returns_at_its_deadline(tmp_path: Pa
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))
     hung.listen(16)  # connections complete in the kernel; nothing ever answers
-    url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    remote = ("--url", f"http://127.0.0.1:{hung.getsockname()[1]}", "--token", "x", "--project", "p")
     try:
         started = time.monotonic()
-        r = mg(
-            "gate",
-            "--url",
-            url,
-            "--token",
-            "x",
-            "--project",
-            "p",
-            "--commit",
-            "abc1234",
-            "--wait",
-            "3",
-            cwd=tmp_path,
-        )
+        r = mg("gate", *remote, "--commit", "abc1234", "--wait", "3", cwd=tmp_path)
         waited = time.monotonic() - started
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
         assert "no answer" in r.stderr
         assert waited < 3 + 10  # the reproducer took 182 s (60 s x 3 retries); interpreter start-up aside
         started = time.monotonic()
-        r = mg(
-            "upload",
-            "-",
-            "--url",
-            url,
-            "--token",
-            "x",
-            "--project",
-            "p",
-            "--commit",
-            "a1",
-            "--timeout",
-            "2",
-            cwd=tmp_path,
-        )
+        r = mg("upload", "-", *remote, "--commit", "a1", "--timeout", "2", cwd=tmp_path)
         assert r.returncode == 2 and "no answer" in r.stderr and time.monotonic() - started < 2 + 10
     finally:
         hung.close()
@@ -295,14 +266,11 @@ def test_d8_postgres_outage_is_503_and_gate_wait_rides_it_out(tmp_path: Path) ->
             assert r.json()["code"] == "database_unavailable" and int(r.headers["Retry-After"]) >= 1
         ready = httpx.get(f"{server.url}/readyz", timeout=30)
         assert ready.status_code == 503 and "Retry-After" in ready.headers
-        gate = subprocess.Popen(
-            [sys.executable, "-m", "maingrad.cli.main", "gate", "--url", server.url, "--token", ADMIN]
-            + ["--project", "alpha", "--commit", "o1", "--wait", "60"],
+        gate = start_cli(
+            *("gate", "--url", server.url, "--token", ADMIN),
+            *("--project", "alpha", "--commit", "o1", "--wait", "60"),
             cwd=tmp_path,
             env=CLI_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
         )
         time.sleep(4)
         assert gate.poll() is None  # still waiting through the 503s
@@ -364,25 +332,10 @@ def test_405_allow_lists_every_method_of_the_path(project: ProjectCtx) -> None:
 
 def test_load_is_shed_with_503_and_retry_after() -> None:
     release = asyncio.Event()
+    shed = LoadShedMiddleware(held_app(release), limit=2, retry_after_s=3)
 
-    async def slow_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        await release.wait()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    shed = LoadShedMiddleware(slow_app, limit=2, retry_after_s=3)
-
-    async def call(path: str) -> tuple[int, dict[bytes, bytes]]:
-        sent: list[dict[str, Any]] = []
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        await shed({"type": "http", "path": path, "method": "GET", "headers": []}, receive, send)
-        return sent[0]["status"], dict(sent[0]["headers"])
+    def call(path: str) -> Coroutine[Any, Any, tuple[int, dict[bytes, bytes]]]:
+        return asgi_get(shed, path)
 
     async def scenario() -> list[tuple[int, dict[bytes, bytes]]]:
         first = [asyncio.create_task(call("/api/v1/projects")) for _ in range(2)]
