@@ -355,9 +355,10 @@ def scan(
                 "suppressed": 0,
             }
         outcomes[relpath] = value
-    for relpath in texts:
-        outcomes[relpath]["facts"] = file_facts[relpath]
-        outcomes[relpath]["project"] = project.key()
+    for relpath in digests:  # what a cache entry needs to be reused (a file that did not decode: no facts)
+        if relpath not in cached_outcomes or relpath in texts:
+            outcomes[relpath]["facts"] = file_facts.get(relpath, [])
+            outcomes[relpath]["project"] = project.key()
     if cache is not None:
         for relpath, outcome in outcomes.items():
             if relpath in digests and not outcome.get("internal"):

@@ -74,7 +74,7 @@ def test_project_fact_is_order_independent(texts: dict[str, str], expected: bool
     assert results == {expected}
 
 
-def _scan(root: Path, jobs: int, cache: bool) -> list[tuple[str, int]]:
+def _scan(root: Path, jobs: int, cache: bool, hits: list[int] | None = None) -> list[tuple[str, int]]:
     from maingrad.analyzer.cache import ResultCache, cache_dir, settings_key
     from maingrad.analyzer.catalog import load_catalog
     from maingrad.analyzer.discovery import discover
@@ -85,6 +85,8 @@ def _scan(root: Path, jobs: int, cache: bool) -> list[tuple[str, int]]:
     files = discover([root], root)
     result_cache = ResultCache(cache_dir(root), settings_key(settings.cache_settings())) if cache else None
     result = runner.scan(files, settings, jobs=jobs, cache=result_cache)
+    if hits is not None:
+        hits.append(result.cache_hits)
     return [(f.path, f.line) for f in result.report.findings]
 
 
@@ -118,12 +120,18 @@ def test_mg006_reads_the_scanned_wrapper(
 def test_cached_results_follow_the_project_facts(tmp_path: Path) -> None:
     """experts.py is unchanged (a cache hit by its bytes) but the wrapper changed: it is analyzed again."""
     _tree(tmp_path, {FSDP: FSDP_FORCES, EXPERTS: FORCED_WHERE_SET})
-    assert _scan(tmp_path, 1, cache=True) == []
+    (tmp_path / "bad.py").write_bytes(b"x = '\xff'\n")  # not UTF-8: a parse error, cached too
+    hits: list[int] = []
+    assert _scan(tmp_path, 1, cache=True, hits=hits) == []
+    assert _scan(tmp_path, 1, cache=True, hits=hits) == []
     _tree(tmp_path, {FSDP: FSDP_DERIVES})
-    assert _scan(tmp_path, 1, cache=True) == [(EXPERTS, 4)]
-    assert _scan(tmp_path, 1, cache=True) == [(EXPERTS, 4)]  # now from the cache
+    assert _scan(tmp_path, 1, cache=True, hits=hits) == [(EXPERTS, 4)]
+    assert _scan(tmp_path, 1, cache=True, hits=hits) == [(EXPERTS, 4)]  # now from the cache
     _tree(tmp_path, {FSDP: FSDP_FORCES})
-    assert _scan(tmp_path, 1, cache=True) == []
+    assert _scan(tmp_path, 1, cache=True, hits=hits) == []
+    # Cold; all three cached; experts.py analyzed again (facts changed) and the wrapper (bytes changed);
+    # all cached; the same again.
+    assert hits == [0, 3, 1, 3, 1]
 
 
 def _testbeds() -> Any:
