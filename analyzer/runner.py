@@ -293,9 +293,19 @@ def scan(
     pending: list[tuple[str, int, tuple[str, str, tuple[str, ...]]]] = []
     hits = 0
     # Pass 1: read every file and collect what it contributes to the project facts (cached with its result).
+    # Only the texts some rule must parse are kept (in `pending`); rules run once the facts are known.
     cached_outcomes: dict[str, dict[str, Any]] = {}
-    texts: dict[str, str] = {}
     file_facts: dict[str, list[str]] = {}
+    fresh: set[str] = set()  # analyzed in this scan (their outcomes get this scan's facts)
+
+    def classify(relpath: str, text: str) -> None:
+        fresh.add(relpath)
+        ids = file_rules.for_path(relpath)
+        if file_rules.needed(ids, text):
+            pending.append((relpath, len(text), (relpath, text, ids)))
+        else:
+            outcomes[relpath] = _unparsed_outcome(relpath, text, ids, settings)
+
     for source in files:
         data, error = _read(source)
         if data is None:
@@ -312,34 +322,23 @@ def scan(
         if text is None:
             assert undecodable is not None
             outcomes[source.relpath] = _error_outcome(undecodable)
+            fresh.add(source.relpath)
             continue
-        texts[source.relpath] = text
         file_facts[source.relpath] = project_file_facts(source.relpath, text)
+        classify(source.relpath, text)
     project = ProjectFacts.of(file_facts.values())
     # Pass 2: a cached result computed under other project facts is analyzed again.
     by_path = {source.relpath: source for source in files}
     for relpath, cached in cached_outcomes.items():
-        if cached.get("project", []) == project.key():
+        data = None
+        if cached.get("project", []) != project.key():
+            data, _ = _read(by_path[relpath])
+        text, _ = _decode(relpath, data) if data is not None else (None, None)
+        if text is None:  # still valid, or changed under us since pass 1: keep what the cache knew
             outcomes[relpath] = cached
             hits += 1
-            continue
-        data, _ = _read(by_path[relpath])
-        text, undecodable = _decode(relpath, data) if data is not None else (None, None)
-        if text is None:
-            outcomes[relpath] = cached  # changed under us since pass 1: keep what the cache knew
-            hits += 1
         else:
-            texts[relpath] = text
-    for source in files:
-        relpath = source.relpath
-        if relpath not in texts:
-            continue
-        text = texts[relpath]
-        ids = file_rules.for_path(relpath)
-        if file_rules.needed(ids, text):
-            pending.append((relpath, len(text), (relpath, text, ids)))
-        else:
-            outcomes[relpath] = _unparsed_outcome(relpath, text, ids, settings)
+            classify(relpath, text)
     _STATE["settings"] = settings
     _STATE["project"] = project.facts
     _STATE.setdefault("instances", {})
@@ -355,10 +354,9 @@ def scan(
                 "suppressed": 0,
             }
         outcomes[relpath] = value
-    for relpath in digests:  # what a cache entry needs to be reused (a file that did not decode: no facts)
-        if relpath not in cached_outcomes or relpath in texts:
-            outcomes[relpath]["facts"] = file_facts.get(relpath, [])
-            outcomes[relpath]["project"] = project.key()
+    for relpath in fresh:  # what a cache entry needs to be reused (a file that did not decode: no facts)
+        outcomes[relpath]["facts"] = file_facts.get(relpath, [])
+        outcomes[relpath]["project"] = project.key()
     if cache is not None:
         for relpath, outcome in outcomes.items():
             if relpath in digests and not outcome.get("internal"):
