@@ -27,6 +27,8 @@ class RuleSettings:
 
     # Extra function/method names whose call counts as exposing main_grad (config `exposure-helpers`).
     exposure_helpers: frozenset[str] = frozenset()
+    # What the scan's files, taken together, establish (`maingrad.analyzer.project`); empty for one file.
+    project: frozenset[str] = frozenset()
 
 
 class _ParentCollector(cst.CSTVisitor):

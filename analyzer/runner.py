@@ -22,6 +22,8 @@ from maingrad.analyzer.discovery import SourceFile
 from maingrad.analyzer.fileio import decode_source
 from maingrad.analyzer.needles import needles_match
 from maingrad.analyzer.progress import Progress
+from maingrad.analyzer.project import ProjectFacts
+from maingrad.analyzer.project import file_facts as project_file_facts
 from maingrad.analyzer.suppressions import MARKER, apply_suppressions, parse_suppressions, unused_findings
 from maingrad.analyzer.syntax_index import gate_enabled
 from maingrad.contracts.report import Finding, NotAnalyzed, ParseError, Report, Severity
@@ -96,9 +98,10 @@ class _FileRules:
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(settings: ScanSettings) -> None:
+def _init_worker(settings: ScanSettings, project: frozenset[str] = frozenset()) -> None:
     _STATE.clear()
     _STATE["settings"] = settings
+    _STATE["project"] = project
     _STATE["instances"] = {}
 
 
@@ -139,7 +142,10 @@ def _analyze_text(relpath: str, text: str, rule_ids: tuple[str, ...]) -> dict[st
             text,
             relpath,
             _rule_instances(rule_ids),
-            RuleSettings(exposure_helpers=frozenset(settings.exposure_helpers)),
+            RuleSettings(
+                exposure_helpers=frozenset(settings.exposure_helpers),
+                project=_STATE.get("project", frozenset()),
+            ),
             {rid: Severity(sev) for rid, sev in settings.severities},
             catch_rule_errors=True,
         )
@@ -286,8 +292,20 @@ def scan(
     digests: dict[str, str] = {}
     pending: list[tuple[str, int, tuple[str, str, tuple[str, ...]]]] = []
     hits = 0
-    _STATE["settings"] = settings
-    _STATE.setdefault("instances", {})
+    # Pass 1: read every file and collect what it contributes to the project facts (cached with its result).
+    # Only the texts some rule must parse are kept (in `pending`); rules run once the facts are known.
+    cached_outcomes: dict[str, dict[str, Any]] = {}
+    file_facts: dict[str, list[str]] = {}
+    fresh: set[str] = set()  # analyzed in this scan (their outcomes get this scan's facts)
+
+    def classify(relpath: str, text: str) -> None:
+        fresh.add(relpath)
+        ids = file_rules.for_path(relpath)
+        if file_rules.needed(ids, text):
+            pending.append((relpath, len(text), (relpath, text, ids)))
+        else:
+            outcomes[relpath] = _unparsed_outcome(relpath, text, ids, settings)
+
     for source in files:
         data, error = _read(source)
         if data is None:
@@ -296,22 +314,36 @@ def scan(
             continue
         digest = digests[source.relpath] = content_hash(data)
         cached = cache.get(source.relpath, digest) if cache is not None else None
-        if cached is not None:
-            outcomes[source.relpath] = cached
-            hits += 1
+        if cached is not None and "facts" in cached:
+            cached_outcomes[source.relpath] = cached
+            file_facts[source.relpath] = list(cached["facts"])
             continue
         text, undecodable = _decode(source.relpath, data)
         if text is None:
             assert undecodable is not None
             outcomes[source.relpath] = _error_outcome(undecodable)
+            fresh.add(source.relpath)
             continue
-        ids = file_rules.for_path(source.relpath)
-        if file_rules.needed(ids, text):
-            pending.append((source.relpath, len(text), (source.relpath, text, ids)))
+        file_facts[source.relpath] = project_file_facts(source.relpath, text)
+        classify(source.relpath, text)
+    project = ProjectFacts.of(file_facts.values())
+    # Pass 2: a cached result computed under other project facts is analyzed again.
+    by_path = {source.relpath: source for source in files}
+    for relpath, cached in cached_outcomes.items():
+        data = None
+        if cached.get("project", []) != project.key():
+            data, _ = _read(by_path[relpath])
+        text, _ = _decode(relpath, data) if data is not None else (None, None)
+        if text is None:  # still valid, or changed under us since pass 1: keep what the cache knew
+            outcomes[relpath] = cached
+            hits += 1
         else:
-            outcomes[source.relpath] = _unparsed_outcome(source.relpath, text, ids, settings)
+            classify(relpath, text)
+    _STATE["settings"] = settings
+    _STATE["project"] = project.facts
+    _STATE.setdefault("instances", {})
     with Progress(len(pending), "maingrad check", show_progress) as progress:
-        results = run_tasks(_analyze_task, pending, jobs, _init_worker, (settings,), progress)
+        results = run_tasks(_analyze_task, pending, jobs, _init_worker, (settings, project.facts), progress)
     for relpath, value in results.items():
         if isinstance(value, BaseException):
             value = {
@@ -322,6 +354,9 @@ def scan(
                 "suppressed": 0,
             }
         outcomes[relpath] = value
+    for relpath in fresh:  # what a cache entry needs to be reused (a file that did not decode: no facts)
+        outcomes[relpath]["facts"] = file_facts.get(relpath, [])
+        outcomes[relpath]["project"] = project.key()
     if cache is not None:
         for relpath, outcome in outcomes.items():
             if relpath in digests and not outcome.get("internal"):

@@ -55,14 +55,19 @@ def _testbeds() -> Any:
     return module
 
 
-def _scan_file(job: tuple[str, str, bool]) -> tuple[str, list[dict[str, Any]], str | None]:
-    """Findings of every built-in rule on one file (run in a worker process)."""
+def _scan_file(
+    job: tuple[str, str, bool, frozenset[str]],
+) -> tuple[str, list[dict[str, Any]], str | None]:
+    """Findings of every built-in rule on one file (run in a worker process), under the tree's project
+    facts (`maingrad.analyzer.project`), as `maingrad check` on the tree computes them."""
+    from maingrad.analyzer.context import RuleSettings
     from maingrad.analyzer.engine import analyze_source
     from maingrad.analyzer.rules import all_rules
 
-    root, rel, gate = job
+    root, rel, gate, project = job
     source = (Path(root) / rel).read_text(encoding="utf-8", errors="replace")
-    result = analyze_source(source, rel, [rule() for rule in all_rules()], gate=gate)
+    rules = [rule() for rule in all_rules()]
+    result = analyze_source(source, rel, rules, RuleSettings(project=project), gate=gate)
     rows = [
         {"path": rel, "line": f.line, "column": f.column, "rule": f.rule, "message": f.message}
         for f in result.findings
@@ -73,7 +78,12 @@ def _scan_file(job: tuple[str, str, bool]) -> tuple[str, list[dict[str, Any]], s
 
 def scan_tree(root: Path, gate: bool, jobs: int) -> dict[str, Any]:
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py") if p.is_file())
-    work = [(str(root), rel, gate) for rel in files]
+    from maingrad.analyzer.project import ProjectFacts, file_facts
+
+    project = ProjectFacts.of(
+        file_facts(rel, (root / rel).read_text(encoding="utf-8", errors="replace")) for rel in files
+    ).facts
+    work = [(str(root), rel, gate, project) for rel in files]
     findings: list[dict[str, Any]] = []
     errors: list[dict[str, str]] = []
     with ProcessPoolExecutor(max_workers=jobs) as pool:

@@ -16,9 +16,13 @@ What is not flagged, and why:
   usual reset after a manual `main_grad.zero_()`;
 * test files (`tests/`, `test_*.py`, `*_test.py`, `conftest.py`), which set the flag to build a scenario.
 
-Known false alarm: the rule sees one file, so it cannot tell that the wrapper of the same release forces
-the flag `True` itself (megatron-core 0.19.2's Megatron-FSDP does, on every unshard): there the assignment
-is redundant, not harmful. No fix is offered (see the rule's docs).
+* a write inside `if hasattr(X, "overwrite_main_grad"):` on its own target `X`, when the same scan holds the
+  Megatron-FSDP wrapper and it only ever sets the flag to `True` (the project fact
+  `megatron-fsdp-only-sets-overwrite-main-grad-true`, `maingrad.analyzer.project`): the flag then exists only
+  where the wrapper set it, already `True`, and the write changes nothing (megatron-core 0.19.2). Without
+  the wrapper in the scan (one file, or a tree without it) the write is reported.
+
+No fix is offered (see the rule's docs).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from maingrad.analyzer.context import FileContext, RuleSettings
 from maingrad.analyzer.facts import OVERWRITE_FLAG as FLAG
 from maingrad.analyzer.facts import WRAPPER_CLASS, is_test_path, is_wrapper_path
 from maingrad.analyzer.names import dotted_name
+from maingrad.analyzer.project import FSDP_ONLY_SETS_OVERWRITE_TRUE
 from maingrad.analyzer.rules._common import (
     code_of,
     enclosing_function,
@@ -72,6 +77,43 @@ def _forced_value(small: cst.BaseSmallStatement) -> cst.BaseExpression | None:
         if dotted_name(call.func) == "setattr" and len(args) == 3 and string_value(args[1].value) == FLAG:
             return args[2].value
     return None
+
+
+def _target_code(small: cst.BaseSmallStatement) -> str | None:
+    """The code of `X` in a write of `X.overwrite_main_grad`."""
+    if isinstance(small, cst.Assign):
+        for t in small.targets:
+            if isinstance(t.target, cst.Attribute) and t.target.attr.value == FLAG:
+                return code_of(t.target.value)
+    elif isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Attribute):
+        return code_of(small.target.value)
+    elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call) and small.value.args:
+        return code_of(small.value.args[0].value)
+    return None
+
+
+def _only_where_set(ctx: FileContext, line: cst.SimpleStatementLine, small: cst.BaseSmallStatement) -> bool:
+    """The write sits in the body of an `if hasattr(X, "overwrite_main_grad")` on its own target `X`: it
+    only re-sets a flag something else (the wrapper) already set."""
+    receiver = _target_code(small)
+    if receiver is None:
+        return False
+    guard = re.compile(rf"""hasattr\(\s*{re.escape(receiver)}\s*,\s*["']{FLAG}["']\s*\)""")
+    child: cst.CSTNode = line
+    for node in ctx.ancestors(line):
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            return False
+        if isinstance(node, cst.If) and child is node.body and _requires(node.test, guard):
+            return True
+        child = node
+    return False
+
+
+def _requires(test: cst.BaseExpression, guard: re.Pattern[str]) -> bool:
+    """`test` is true only when `guard` (a call) is: the call itself, or one operand of an `and`."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+        return _requires(test.left, guard) or _requires(test.right, guard)
+    return isinstance(test, cst.Call) and guard.fullmatch(code_of(test).strip()) is not None
 
 
 def _strategy_guarded(ctx: FileContext, node: cst.CSTNode) -> bool:
@@ -129,14 +171,25 @@ that promise in a test (Megatron-LM main's
 asserts the flag is `True` after the hook); the assignment, the test and the strategy the wrapper derives
 the flag from have to change together, by hand.
 
+## What it assumes
+Where the flag exists on a parameter, something set it; when the scan holds the wrapper's code, the rule
+looks at what the wrapper writes. If the scanned Megatron-FSDP writes the flag, and every write of it in
+the wrapper's code is the constant `True` (megatron-core 0.19.2 does so on every unshard but `no_shard`'s),
+a forced `True` that only runs `if hasattr(param, "overwrite_main_grad")` re-sets `True` where it already
+is: not reported. That fact comes from a project-level pass over every file of the scan, before any file is
+analyzed (a cached file is analyzed again when the fact changes); a file checked alone, or a tree without
+the wrapper, is judged as before. An unguarded forced `True` is reported even then: under `no_shard` the
+wrapper never sets the flag, and the forced `True` would turn accumulation into overwriting.
+
 ## In real code
 Megatron-LM main `TEGroupedMLP._ensure_main_grad` sets `overwrite_main_grad = True` on every expert weight
 before the fused forward, overriding the value Megatron-FSDP derives from its sharding strategy since
 PR #6357 (`optim_grads`/`optim_grads_params` only); measured on an H200, with two micro-batches and
 unsharded gradients the expert gradients are 0.71 (relative) away from autograd's own accumulation. The
-same line in megatron-core 0.19.2 is harmless there (a known false alarm of this per-file rule): 0.19.2's
-Megatron-FSDP itself sets the flag `True` on every unshard, whatever the strategy, so the assignment
-changes nothing.
+same line in megatron-core 0.19.2 is harmless and not reported when the scan holds 0.19.2's Megatron-FSDP
+(the whole wheel): that wrapper only ever sets the flag to `True` (on every unshard but `no_shard`'s, where
+it never sets it and the line's `hasattr` test skips it), so the assignment changes nothing. Checking
+`experts.py` alone still reports it.
 """
 
     VALID = [
@@ -267,6 +320,10 @@ changes nothing.
                 if not _is_truthy_constant(value, bindings):
                     continue
                 if in_wrapper(ctx, line) or _strategy_guarded(ctx, line):
+                    continue
+                if FSDP_ONLY_SETS_OVERWRITE_TRUE in ctx.settings.project and _only_where_set(
+                    ctx, line, small
+                ):
                     continue
                 flagged.append((line, small))
         for line, small in flagged:

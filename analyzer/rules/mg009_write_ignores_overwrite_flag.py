@@ -21,8 +21,12 @@ writes into that argument (Megatron-LM main's `_wgrad_gemm(weight.main_grad, ...
   `get_accumulate_flag_in_param`, names and context attributes assigned from those, same-file functions
   returning them). An `accumulate=` value that does not read the flag (`accumulate=ctx.fuse`) is fixed.
 An "always accumulate" write is reported only where the parameter is known to be a Megatron-FSDP parameter
-on that path (inside `if hasattr(W, "__fsdp_param__")`, or a buffer taken from `W.get_main_grad()`): under
-DDP accumulating is the contract. The data-parallel wrapper's own code is not judged.
+on that path (inside `if hasattr(W, "__fsdp_param__")`, or a buffer taken from `W.get_main_grad()`), or
+where `W.main_grad` may hold the Megatron-FSDP buffer: an earlier `W.main_grad = W.get_main_grad()` in the
+same function, not in another branch of one `if` (megatron-core's `drain_embedding_wgrad_compute`). Under
+DDP accumulating is the contract, so an accumulating write with no Megatron-FSDP evidence in its function is
+not reported (a third-party FP8 bridge's unconditional `weight.main_grad.add_(...)` is such a write: see the
+rule's docs). The data-parallel wrapper's own code is not judged.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from maingrad.analyzer.facts import (
     GET_MAIN_GRAD,
     INPLACE_GEMMS,
     KERNELS,
+    MAIN_GRAD,
     MATMULS,
     OVERWRITE_FLAG,
     WGRAD_FUNCTION,
@@ -46,17 +51,20 @@ from maingrad.analyzer.facts import (
 )
 from maingrad.analyzer.names import dotted_name
 from maingrad.analyzer.rules._common import (
+    ABSENT,
     PRESENT,
     FlagDerivation,
     MainGradScope,
     code_of,
     function_of,
     in_wrapper,
+    is_before,
     is_false_constant,
     is_simple_chain,
     keyword,
     last_name,
     main_grad_receiver,
+    mutually_exclusive,
     path_facts,
     positional,
     reads_param_grad,
@@ -153,7 +161,9 @@ Finds a weight gradient written into a parameter's `main_grad` (in an autograd b
 whose accumulate/overwrite behaviour is fixed in the code instead of taken from the parameter's
 `overwrite_main_grad` flag: `torch.matmul(..., out=W.main_grad)`, `W.main_grad.copy_(g)`, a TE GEMM
 (`general_gemm`, `te_general_gemm`, ...) with `out=W.main_grad` and no `accumulate=` (it overwrites), or with
-a constant one; and, for Megatron-FSDP parameters, `wgrad_gemm_accum_*`, `add_`, `+=` (they accumulate). A
+a constant one; and, for Megatron-FSDP parameters, `wgrad_gemm_accum_*`, `add_`, `+=` (they accumulate): a
+parameter known to be one on the write's path, or whose `main_grad` an earlier statement of the function may
+have set from `get_main_grad()` (the write then may land in the Megatron-FSDP buffer). A
 call that hands `W.main_grad` to a same-file helper writing into that argument is judged like the write
 itself.
 
@@ -203,9 +213,61 @@ megatron-core 0.19.2 `LinearWithGradAccumulationAndAsyncCommunication.backward`,
 `te_general_gemm(..., out=weight.main_grad)` and `torch.matmul(..., out=weight.main_grad)` always overwrite;
 Megatron-LM main moves them into `_wgrad_gemm(out, ...)` and calls it with `weight.main_grad` (reported at
 that call). Confirmed on an H200: with two micro-batches the optimizer sees micro-batch 1's gradient only.
+
+megatron-core 0.16.1-0.19.2 (and main) `drain_embedding_wgrad_compute`'s `wgrad_compute`: `if hasattr(weight,
+"__fsdp_param__"): weight.main_grad = weight.get_main_grad()`, then `wgrad_gemm_accum_fp32/fp16(...,
+weight.main_grad)` for every parameter: on a Megatron-FSDP parameter it always accumulates, whatever the
+flag (the Megatron-FSDP branch of the `LinearWithGradAccumulationAndAsyncCommunication.backward` it defers
+always overwrites instead). From source; not run.
+
+## What it does not report
+An always-accumulating write with no Megatron-FSDP evidence in its function (no `__fsdp_param__`/
+`get_main_grad` test or call for that parameter) is not reported, even where a Megatron-FSDP parameter
+could reach it at run time: under Megatron DDP accumulating is the contract, and nothing in the code tells
+the two apart. One known instance: AMD-AGI/Primus's Turbo FP8 bridge (`primus_turbo.py`,
+`_WeightGradBridge.backward`) adds the quantized GEMM's wgrad with `weight.main_grad.add_(...)` on every
+micro-batch and never reads `overwrite_main_grad`; it is wrong only if a Megatron-FSDP parameter whose flag
+is `True` reaches it, which the file does not show. A rule that reported every always-accumulating write
+in a backward regardless of that evidence would report 17 writes on the 11 pinned releases, of which 6
+are the `drain_embedding_wgrad_compute` ones already reported and 11 are DDP paths where accumulating is
+right (precision 6/17, 35%), so it is not a rule here.
 """
 
     VALID = [
+        # The accumulating kernel runs only in the other branch of the Megatron-FSDP test (the DDP path).
+        Example(
+            """\
+            def backward(ctx, grad_output):
+                weight = ctx.weight
+                if hasattr(weight, "__fsdp_param__"):
+                    weight.main_grad = weight.get_main_grad()
+                    general_gemm(ctx.x, grad_output, out=weight.main_grad, accumulate=not getattr(weight, "overwrite_main_grad", False))
+                else:
+                    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(ctx.x, grad_output, weight.main_grad)
+            """
+        ),
+        # The buffer may be Megatron-FSDP's, but whether the kernel accumulates is decided by the flag.
+        Example(
+            """\
+            def wgrad_compute(x, grad_output, weight):
+                if hasattr(weight, "__fsdp_param__"):
+                    weight.main_grad = weight.get_main_grad()
+                if getattr(weight, "overwrite_main_grad", False):
+                    torch.matmul(grad_output.t(), x, out=weight.main_grad)
+                else:
+                    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, grad_output, weight.main_grad)
+            """
+        ),
+        # An unconditional add with no Megatron-FSDP evidence for the parameter: DDP's contract.
+        Example(
+            """\
+            def backward(ctx, grad_x, grad_w):
+                (weight,) = ctx.saved_tensors
+                weight.main_grad.add_(grad_w)
+                weight.grad_added_to_main_grad = True
+                return grad_x, None
+            """
+        ),
         # TE 2.20 te.Linear style: the GEMM's accumulate comes from the flag through a context object.
         Example(
             """\
@@ -325,6 +387,17 @@ that call). Confirmed on an H200: with two micro-batches the optimizer sees micr
                     weight.main_grad = weight.get_main_grad()
                     general_gemm(ctx.x, grad_output, out=weight.main_grad, accumulate=not getattr(weight, "overwrite_main_grad", False))
             """,
+        ),
+        # megatron-core's drain_embedding_wgrad_compute: main_grad may be the Megatron-FSDP buffer here.
+        Example(
+            """\
+            def wgrad_compute(all_gathered_input, grad_output, weight):
+                if hasattr(weight, "__fsdp_param__"):
+                    weight.main_grad = weight.get_main_grad()
+                if config.gradient_accumulation_fusion:
+                    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(all_gathered_input, grad_output, weight.main_grad)
+            """,
+            line=5,
         ),
         # A kwargs display with a constant accumulate.
         Example(
@@ -456,7 +529,36 @@ class _Analysis:
             return False
         if isinstance(write.target, cst.Call) and last_name(write.target) == GET_MAIN_GRAD:
             return True
-        return PRESENT in path_facts(self.ctx, write.node, owner)
+        facts = path_facts(self.ctx, write.node, owner)
+        if PRESENT in facts:
+            return True
+        return ABSENT not in facts and self._may_hold_fsdp_buffer(write, owner, func)
+
+    def _may_hold_fsdp_buffer(
+        self, write: _Write, owner: cst.BaseExpression, func: cst.FunctionDef | None
+    ) -> bool:
+        """An earlier `W.main_grad = W.get_main_grad()` in the same function, on a path that can reach the
+        write (not in another branch of one `if`): after it, `W.main_grad` may be the Megatron-FSDP buffer
+        (megatron-core's `drain_embedding_wgrad_compute`: `if hasattr(weight, "__fsdp_param__"): weight.main_grad
+        = weight.get_main_grad()`, then the accumulating kernels on `weight.main_grad` for every parameter)."""
+        if func is None:
+            return False
+        receiver = code_of(owner)
+        for assign in self.ctx.own_nodes(func, cst.Assign):
+            if not (isinstance(assign.value, cst.Call) and last_name(assign.value) == GET_MAIN_GRAD):
+                continue
+            if not any(
+                isinstance(t.target, cst.Attribute)
+                and t.target.attr.value == MAIN_GRAD
+                and code_of(t.target.value) == receiver
+                for t in assign.targets
+            ):
+                continue
+            if is_before(self.ctx, assign, write.node) and not mutually_exclusive(
+                self.ctx, assign, write.node
+            ):
+                return True
+        return False
 
     def _handed_to_helper(self, call: cst.Call, func: cst.FunctionDef | None) -> tuple[_Write, _Write] | None:
         """A call of a same-file module-level function that gets `W.main_grad` for a parameter it writes

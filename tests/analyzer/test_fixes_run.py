@@ -667,3 +667,82 @@ def test_mg007_cast_fix_keeps_the_accumulator_exact() -> None:
     exact = 2 * (dy.t().matmul(x))
     assert not torch.equal(run(code), exact)  # the bug: each add rounded to bf16
     torch.testing.assert_close(run(fixed), exact, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MG007's kernel-dispatch fix, against kernels whose dtype contract is megatron-core's own dispatch
+def megatron_kernel_dtypes() -> dict[str, frozenset[str]]:
+    """kernel name -> the `main_grad` dtypes megatron-core 0.19.2 hands it, read from its own dispatch in
+    `drain_embedding_wgrad_compute` (`if weight.main_grad.dtype == torch.float32: ..._fp32(...) elif
+    weight.main_grad.dtype in (torch.float16, torch.bfloat16): ..._fp16(...)`)."""
+    source = (bed_root(MCORE) / "megatron" / "core" / "utils.py").read_text(encoding="utf-8")
+    found: dict[str, frozenset[str]] = {}
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)):
+            continue
+        left, op, right = node.test.left, node.test.ops[0], node.test.comparators[0]
+        if not (isinstance(left, ast.Attribute) and left.attr == "dtype"):
+            continue
+        if isinstance(op, ast.Eq):
+            dtypes = [right]
+        elif isinstance(op, ast.In) and isinstance(right, ast.Tuple):
+            dtypes = list(right.elts)
+        else:
+            continue
+        names = frozenset(d.attr for d in dtypes if isinstance(d, ast.Attribute))
+        for call in (c for stmt in node.body for c in ast.walk(stmt) if isinstance(c, ast.Call)):
+            if isinstance(call.func, ast.Attribute) and call.func.attr.startswith("wgrad_gemm_accum_"):
+                found.setdefault(call.func.attr, names)
+    return found
+
+
+def _kernel(name: str, dtypes: frozenset[str]) -> Callable[[object, object, object], None]:
+    """A CPU stand-in of `fused_weight_gradient_mlp_cuda.<name>(input, grad_output, main_grad)`: refuses a
+    buffer of another dtype than megatron hands it (the real kernel reinterprets its memory), else
+    accumulates grad_output^T @ input into it."""
+
+    def kernel(total_input: typing.Any, grad_output: typing.Any, main_grad: typing.Any) -> None:
+        if str(main_grad.dtype).removeprefix("torch.") not in dtypes:
+            raise RuntimeError(f"{name} on a {main_grad.dtype} buffer")
+        main_grad.add_((grad_output.t().float() @ total_input.float()).to(main_grad.dtype))
+
+    return kernel
+
+
+def test_megatron_dispatch_is_read_from_the_wheel() -> None:
+    assert megatron_kernel_dtypes() == {
+        "wgrad_gemm_accum_fp32": frozenset({"float32"}),
+        "wgrad_gemm_accum_fp16": frozenset({"float16", "bfloat16"}),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mg007_dispatch_fix_calls_the_kernel_megatron_calls(
+    dtype: typing.Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unfixed call uses the fp32 kernel whatever the buffer; the fixed one picks the kernel megatron
+    picks, over two micro-batches, and the buffer holds their sum."""
+    code, fixed = _example("MG007", 3)
+    kernels = types.ModuleType("fused_weight_gradient_mlp_cuda")
+    for name, dtypes in megatron_kernel_dtypes().items():
+        setattr(kernels, name, _kernel(name, dtypes))
+    monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", kernels)
+    x1, x2 = torch.randn(8, 3), torch.randn(8, 3)
+    dy1, dy2 = torch.randn(8, 2), torch.randn(8, 2)
+
+    def run(source: str) -> typing.Any:
+        namespace = _load(source)
+        weight = types.SimpleNamespace(main_grad=torch.zeros(2, 3, dtype=dtype))
+        backward = typing.cast(Callable[..., None], namespace["backward"])
+        backward(weight, x1.to(dtype), dy1.to(dtype))
+        backward(weight, x2.to(dtype), dy2.to(dtype))
+        return weight.main_grad
+
+    expected = (dy1.to(dtype).t().float() @ x1.to(dtype).float()).to(dtype)
+    expected = expected + (dy2.to(dtype).t().float() @ x2.to(dtype).float()).to(dtype)
+    torch.testing.assert_close(run(fixed), expected)
+    if dtype == torch.float32:
+        torch.testing.assert_close(run(code), expected)
+    else:
+        with pytest.raises(RuntimeError, match="wgrad_gemm_accum_fp32 on a"):
+            run(code)
