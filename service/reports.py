@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import delete, select, text, update
 from sqlalchemy.orm import Session
 
+from maingrad.service.bulk import insert_rows
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.dialect import bump_revision, insert_for, note_commit, with_retries
@@ -131,6 +132,7 @@ def store_report(
 # alerts follow in chunks. Until the swap the gate sees the previous analysis whole; after it, the new one whole.
 WRITE_CHUNK_ROWS = 2_000
 HIDDEN_PREFIX = "~"  # commit ids of staged and retired analyses (COMMIT_RE never allows it)
+_FINDINGS_INSERT = Finding.__table__.insert()  # type: ignore[attr-defined]  # a Table
 
 
 def _finding_rows(analysis_id: int, findings: list[Any]) -> list[dict[str, Any]]:
@@ -170,7 +172,7 @@ def _stage(db: Database, project: Project, category: str, content_sha: str, norm
         for start in range(0, len(norm.findings), WRITE_CHUNK_ROWS):
             rows = _finding_rows(staged, norm.findings[start : start + WRITE_CHUNK_ROWS])
             with db.writing() as session:
-                session.connection().execute(Finding.__table__.insert(), rows)  # type: ignore[attr-defined]
+                insert_rows(session.connection(), _FINDINGS_INSERT, rows, "findings")
     except BaseException:
         _discard(db, staged)
         raise
@@ -335,9 +337,8 @@ def _store(
         session.flush()
         note_commit(session, project.id, commit_sha, branch)
         if norm.findings:
-            session.connection().execute(
-                Finding.__table__.insert(),  # type: ignore[attr-defined]  # a Table
-                _finding_rows(analysis.id, norm.findings),
+            insert_rows(
+                session.connection(), _FINDINGS_INSERT, _finding_rows(analysis.id, norm.findings), "findings"
             )
         _update_alerts(session, project, analysis, norm)
     bump_revision(session, project.id)
@@ -402,7 +403,7 @@ def _upsert_alerts(session: Session, rows: list[dict[str, Any]]) -> None:
                 "fixed_commit": None,
             },
         )
-        session.connection().execute(stmt, rows)
+        insert_rows(session.connection(), stmt, rows, "alerts upsert")
 
 
 def _mark_fixed(session: Session, project: Project, analysis: Analysis) -> None:
