@@ -170,6 +170,7 @@ def _same(a: Any, b: Any) -> bool:
 # checker never accepts what the walk refuses: each closure makes the same tests in the same terms.
 
 Checker = Any  # Callable[[Any], bool]
+_WRONG: Any = object()
 
 
 def compile_schema(schema: dict[str, Any]) -> Checker:
@@ -199,16 +200,45 @@ def _compile(schema: dict[str, Any], seen: dict[int, Checker]) -> Checker:
     by_kind[list] = _compile_array(schema, seen)
     by_kind[dict] = _compile_object(schema, seen)
 
-    def check(value: Any) -> bool:
-        kind = type(value)
-        if types is not None and kind not in types:
-            return False
-        if has_const and not (kind is type(const) and value == const):
-            return False
-        if enum is not None and not any(kind is type(v) and value == v for v in enum):
-            return False
-        sub = by_kind.get(kind)
-        return sub is None or sub(value)
+    check: Checker
+    if has_const or enum is not None:
+
+        def check(value: Any) -> bool:
+            kind = type(value)
+            if types is not None and kind not in types:
+                return False
+            if has_const and not (kind is type(const) and value == const):
+                return False
+            if enum is not None and not any(kind is type(v) and value == v for v in enum):
+                return False
+            sub = by_kind.get(kind)
+            return sub is None or sub(value)
+
+    elif types is None:
+
+        def check(value: Any) -> bool:
+            sub = by_kind.get(type(value))
+            return sub is None or sub(value)
+
+    else:  # the common case: a type, then that type's keywords (one lookup: absent means a wrong type)
+        allowed = {t: by_kind.get(t) for t in types}
+        if len(allowed) == 1:
+            ((only, only_sub),) = allowed.items()
+            if only_sub is None:
+
+                def check(value: Any) -> bool:
+                    return type(value) is only
+
+            else:
+
+                def check(value: Any) -> bool:
+                    return type(value) is only and only_sub(value)
+
+        else:
+
+            def check(value: Any) -> bool:
+                sub = allowed.get(type(value), _WRONG)
+                return sub is None or (sub is not _WRONG and sub(value))
 
     seen[id(schema)] = check
     return check

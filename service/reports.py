@@ -8,9 +8,13 @@ with exactly one analysis (the losers retry and see the winner).
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import hashlib
 import logging
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +61,58 @@ def analysis_dict(a: Analysis, project_name: str) -> dict[str, Any]:
     }
 
 
+# The cyclic garbage collector, paused while a report is stored. Parsing a 25,000-result report creates 425,000
+# containers that all stay alive until the request ends and form no reference cycles (parsed JSON, row tuples):
+# each allocation burst made the collector traverse the whole growing heap again (full collections at every
+# 25 % growth), 0.2-0.5 s of CPU that freed nothing. Reference counting still frees everything at once; the
+# collector resumes when the last concurrent store ends, with whatever cycles other threads made meanwhile.
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()
+
+
 def store_report(
+    db: Database,
+    settings: Settings,
+    project: Project,
+    *,
+    commit_sha: str,
+    branch: str | None,
+    category: str | None,
+    body: bytes | bytearray,
+    idempotency_key: str | None = None,
+) -> UploadOutcome:
+    with gc_paused():
+        return _store_report(
+            db,
+            settings,
+            project,
+            commit_sha=commit_sha,
+            branch=branch,
+            category=category,
+            body=body,
+            idempotency_key=idempotency_key,
+        )
+
+
+def _store_report(
     db: Database,
     settings: Settings,
     project: Project,
