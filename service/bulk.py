@@ -72,24 +72,31 @@ def insert_rows(conn: Connection, stmt: Insert, rows: list[dict[str, Any]], key:
     """Execute `stmt` (an INSERT of `stmt.table`, optionally ON CONFLICT ...) for `rows`, all with the same keys.
 
     `key` names the statement for the compile cache (the statement object is rebuilt per call by its caller)."""
-    if not rows:
+    if rows:
+        insert_columns(conn, stmt, {n: [row[n] for row in rows] for n in rows[0]}, key)
+
+
+def insert_columns(conn: Connection, stmt: Insert, columns: dict[str, list[Any]], key: Any) -> None:
+    """`insert_rows` for rows given column by column (each list one value per row, all of one length)."""
+    count = len(next(iter(columns.values()), []))
+    if not count:
         return
-    columns = list(rows[0])
-    prepared = _prepare(conn, stmt, key, columns)
+    prepared = _prepare(conn, stmt, key, list(columns))
     if prepared is None:
-        conn.execute(stmt, rows)
+        names = list(columns)
+        conn.execute(
+            stmt, [dict(zip(names, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+        )
         return
     sql, names, procs, trailing = prepared
-    data = [[row[n] for row in rows] for n in names]
+    data = [columns[n] for n in names]
     for i, proc in enumerate(procs):
         if proc is not None:
             data[i] = _processed(proc, data[i])
-    tuples = list(zip(*data, strict=True))
     if conn.dialect.paramstyle == "qmark":
         if trailing:
-            extra = tuple(trailing)
-            tuples = [t + extra for t in tuples]
-        conn.exec_driver_sql(sql, tuples)  # a list of tuples: executemany
+            data += [[value] * count for value in trailing]
+        conn.exec_driver_sql(sql, list(zip(*data, strict=True)))  # a list of tuples: executemany
         return
     # PostgreSQL: one statement per page whose parameters are one array per column (`unnest` turns them back
     # into rows, in order): the text stays short, so psycopg parses it once and caches it.
@@ -98,7 +105,7 @@ def insert_rows(conn: Connection, stmt: Insert, rows: list[dict[str, Any]], key:
     sql = f"{head}SELECT * FROM unnest({_as_arrays(group)}){tail}".replace("%s", "%b")
     cursor: Any = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]  # in a transaction
     try:
-        for start in range(0, len(rows), PG_PAGE_ROWS):
+        for start in range(0, count, PG_PAGE_ROWS):
             params: list[Any] = [column[start : start + PG_PAGE_ROWS] for column in data]
             params.extend(trailing)
             cursor.execute(sql, params)
