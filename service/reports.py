@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import delete, select, text, update
 from sqlalchemy.orm import Session
 
-from maingrad.service.bulk import insert_columns, insert_rows
+from maingrad.service.bulk import insert_columns
 from maingrad.service.config import Settings
 from maingrad.service.db import Database
 from maingrad.service.dialect import bump_revision, insert_for, note_commit, with_retries
@@ -259,7 +259,7 @@ def _finish_staged(
         analysis = session.get(Analysis, staged)
     if analysis is None:
         return
-    unique = _alert_rows(project, analysis, norm)
+    unique = _alert_findings(norm)
     keys = sorted(unique)
     chunks = [keys[start : start + WRITE_CHUNK_ROWS] for start in range(0, len(keys), WRITE_CHUNK_ROWS)]
     for chunk in [*chunks, None]:  # None: the last step, alerts no longer seen become fixed
@@ -269,7 +269,7 @@ def _finish_staged(
             if chunk is None:
                 _mark_fixed(session, project, analysis)
             else:
-                _upsert_alerts(session, [unique[k] for k in chunk])
+                _upsert_alert_columns(session, _alert_columns(project, analysis, [unique[k] for k in chunk]))
     retired = body.get("replaced_id")
     if retired is not None:
         _discard(db, retired)
@@ -407,59 +407,72 @@ def _store(
 
 
 def _update_alerts(session: Session, project: Project, analysis: Analysis, norm: NormAnalysis) -> None:
-    rows = _alert_rows(project, analysis, norm)
-    _upsert_alerts(session, [rows[k] for k in sorted(rows)])
+    unique = _alert_findings(norm)
+    _upsert_alert_columns(session, _alert_columns(project, analysis, [unique[k] for k in sorted(unique)]))
     _mark_fixed(session, project, analysis)
 
 
-def _alert_rows(project: Project, analysis: Analysis, norm: NormAnalysis) -> dict[str, dict[str, Any]]:
-    now = analysis.created_at
-    rows: dict[str, dict[str, Any]] = {}
+def _alert_findings(norm: NormAnalysis) -> dict[str, Any]:
+    """The first unsuppressed finding of each fingerprint: what its alert shows."""
+    first: dict[str, Any] = {}
     for f in norm.findings:
-        if f.suppressed or f.fingerprint in rows:
+        if f.suppressed or f.fingerprint in first:
             continue
-        rows[f.fingerprint] = {
-            "project_id": project.id,
-            "fingerprint": f.fingerprint,
-            "category": analysis.category,
-            "rule": f.rule,
-            "level": f.level,
-            "severity_rank": f.severity_rank,
-            "path": f.path,
-            "message": f.message,
-            "state": "open",
-            "first_seen_commit": analysis.commit_sha,
-            "first_seen_at": now,
-            "last_seen_commit": analysis.commit_sha,
-            "last_seen_branch": analysis.branch,
-            "last_seen_at": now,
-            "last_seen_analysis_id": analysis.id,
-        }
-    return rows
+        first[f.fingerprint] = f
+    return first
+
+
+def _alert_columns(project: Project, analysis: Analysis, findings: list[Any]) -> dict[str, list[Any]]:
+    """The alert rows of `findings`, column by column."""
+    n = len(findings)
+    now = analysis.created_at
+    commit = analysis.commit_sha
+    return {
+        "project_id": [project.id] * n,
+        "fingerprint": [f.fingerprint for f in findings],
+        "category": [analysis.category] * n,
+        "rule": [f.rule for f in findings],
+        "level": [f.level for f in findings],
+        "severity_rank": [f.severity_rank for f in findings],
+        "path": [f.path for f in findings],
+        "message": [f.message for f in findings],
+        "state": ["open"] * n,
+        "first_seen_commit": [commit] * n,
+        "first_seen_at": [now] * n,
+        "last_seen_commit": [commit] * n,
+        "last_seen_branch": [analysis.branch] * n,
+        "last_seen_at": [now] * n,
+        "last_seen_analysis_id": [analysis.id] * n,
+    }
 
 
 def _upsert_alerts(session: Session, rows: list[dict[str, Any]]) -> None:
     """Rows sorted by fingerprint, so concurrent uploads lock alert rows in one order (no deadlock)."""
     if rows:
-        stmt = insert_for(session, Alert)
-        table = Alert.__table__
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["project_id", "fingerprint"],
-            set_={
-                "level": stmt.excluded.level,
-                "severity_rank": stmt.excluded.severity_rank,
-                "path": stmt.excluded.path,
-                "message": stmt.excluded.message,
-                "last_seen_commit": stmt.excluded.last_seen_commit,
-                "last_seen_branch": stmt.excluded.last_seen_branch,
-                "last_seen_at": stmt.excluded.last_seen_at,
-                "last_seen_analysis_id": stmt.excluded.last_seen_analysis_id,
-                # A fixed alert that comes back is open again; a dismissed one stays dismissed.
-                "state": _case_reopen(table),
-                "fixed_commit": None,
-            },
-        )
-        insert_rows(session.connection(), stmt, rows, "alerts upsert")
+        _upsert_alert_columns(session, {n: [row[n] for row in rows] for n in rows[0]})
+
+
+def _upsert_alert_columns(session: Session, columns: dict[str, list[Any]]) -> None:
+    """`_upsert_alerts` for rows given column by column (sorted by fingerprint, likewise)."""
+    stmt = insert_for(session, Alert)
+    table = Alert.__table__
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["project_id", "fingerprint"],
+        set_={
+            "level": stmt.excluded.level,
+            "severity_rank": stmt.excluded.severity_rank,
+            "path": stmt.excluded.path,
+            "message": stmt.excluded.message,
+            "last_seen_commit": stmt.excluded.last_seen_commit,
+            "last_seen_branch": stmt.excluded.last_seen_branch,
+            "last_seen_at": stmt.excluded.last_seen_at,
+            "last_seen_analysis_id": stmt.excluded.last_seen_analysis_id,
+            # A fixed alert that comes back is open again; a dismissed one stays dismissed.
+            "state": _case_reopen(table),
+            "fixed_commit": None,
+        },
+    )
+    insert_columns(session.connection(), stmt, columns, "alerts upsert")
 
 
 def _mark_fixed(session: Session, project: Project, analysis: Analysis) -> None:

@@ -142,10 +142,10 @@ def _upsert_statement(session: Any) -> Any:
     captured: list[Any] = []
     import maingrad.service.reports as reports
 
-    real = reports.insert_rows
-    reports.insert_rows = lambda conn, stmt, rows, key: captured.append(stmt)  # type: ignore[assignment]
+    real = reports.insert_columns
+    reports.insert_columns = lambda conn, stmt, columns, key: captured.append(stmt)  # type: ignore[assignment]
     try:
         reports._upsert_alerts(session, [{"fingerprint": "x"}])
     finally:
-        reports.insert_rows = real
+        reports.insert_columns = real
     return captured[0]
