@@ -460,9 +460,11 @@ def _memory_cases() -> list[tuple[str, str, bytes, dict[str, str]]]:
     ]
 
 
-def memory(url: str, workdir: Path) -> list[dict[str, Any]]:
+def memory(url: str, workdir: Path, only: str | None = None) -> list[dict[str, Any]]:
     out = []
     for name, suffix, body, headers in _memory_cases():
+        if only and only.lower() not in name.lower():
+            continue
         server = Server(url, workdir, args=["--workers", "1"]).start()
         try:
             assert server.proc is not None
@@ -491,7 +493,7 @@ def memory(url: str, workdir: Path) -> list[dict[str, Any]]:
 
 def bench_backend(name: str, url: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     if args.memory:
-        return {"backend": name, "workers": 1, "memory": memory(url, workdir)}
+        return {"backend": name, "workers": 1, "memory": memory(url, workdir, args.case)}
     env = (
         {"MAINGRAD_MAX_CONCURRENT_REQUESTS": str(args.max_concurrent)}
         if args.max_concurrent is not None
@@ -584,6 +586,9 @@ def main() -> int:
     )
     parser.add_argument("--clients", default="50,200,500", help="concurrent gate pollers ('' to skip)")
     parser.add_argument("--memory", action="store_true", help="only the peak-RSS cases (D1, D2, largest)")
+    parser.add_argument(
+        "--case", help="with --memory: only the cases whose name contains this (e.g. 'largest accepted')"
+    )
     parser.add_argument("--parts", default="gate,ingest,concurrency", help="which measurements to run")
     parser.add_argument(
         "--max-concurrent", type=int, help="the server's MAINGRAD_MAX_CONCURRENT_REQUESTS (default: its own)"

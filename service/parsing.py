@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import posixpath
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -17,7 +18,7 @@ from maingrad.contracts.report import REPORT_VERSION, Report, normalize_context
 from maingrad.service import fastjson
 from maingrad.service.bodyschema import BodyLimits, maingrad_report_schema, sarif_schema
 from maingrad.service.jsonscan import count_json_values
-from maingrad.service.jsonvalidate import BodyInvalid, validate
+from maingrad.service.jsonvalidate import BodyInvalid, Checker, check_then_validate, compile_schema
 from maingrad.service.problems import ProblemError
 
 # Levels, the schema and the analyzer's fingerprint key are the contract's (maingrad.contracts.sarif).
@@ -173,9 +174,17 @@ def detect_format(doc: Any) -> str:
     )
 
 
-def _check(doc: Any, schema: dict[str, Any], code: str) -> None:
+@lru_cache(maxsize=8)
+def _schema_and_checker(which: str, fields: BodyLimits) -> tuple[dict[str, Any], Checker]:
+    """A report schema for these limits and its compiled checker (built once per configuration)."""
+    schema = sarif_schema(fields) if which == "sarif" else maingrad_report_schema(fields)
+    return schema, compile_schema(schema)
+
+
+def _check(doc: Any, which: str, fields: BodyLimits, code: str) -> None:
+    schema, checker = _schema_and_checker(which, fields)
     try:
-        validate(doc, schema)
+        check_then_validate(doc, schema, checker)
     except BodyInvalid as exc:
         raise _invalid(code, f"{exc.pointer or '/'}: {exc.message}", pointer=exc.pointer) from None
 
@@ -190,7 +199,7 @@ def parse_report(data: bytes | bytearray, limits: Limits) -> NormAnalysis:
     fields = limits.fields
     if kind == "sarif":
         _check_counts_sarif(doc, limits)
-        _check(doc, sarif_schema(fields), "invalid_sarif")
+        _check(doc, "sarif", fields, "invalid_sarif")
         return parse_sarif(doc, limits)
     findings = doc.get("findings")
     if isinstance(findings, list) and len(findings) > limits.max_results_per_run:
@@ -199,7 +208,7 @@ def parse_report(data: bytes | bytearray, limits: Limits) -> NormAnalysis:
         )
     if isinstance(findings, list):
         _check_report_total(len(findings), limits)
-    _check(doc, maingrad_report_schema(fields), "invalid_report")
+    _check(doc, "maingrad", fields, "invalid_report")
     return parse_maingrad(doc, limits)
 
 
@@ -575,8 +584,6 @@ def assign_fingerprints(findings: list[NormFinding], category: str) -> None:
         key = (f.rule, f.path, f.material)
         occurrence = seen.get(key, 0)
         seen[key] = occurrence + 1
-        digest = hashlib.sha256()
-        for part in ("v1", category, f.rule, f.path, f.material, str(occurrence)):
-            digest.update(part.encode("utf-8"))
-            digest.update(b"\0")
-        f.fingerprint = digest.hexdigest()[:32]
+        # Each part followed by NUL, hashed in one call (the same bytes as one update per part).
+        material = f"v1\0{category}\0{f.rule}\0{f.path}\0{f.material}\0{occurrence}\0"
+        f.fingerprint = hashlib.sha256(material.encode("utf-8")).hexdigest()[:32]

@@ -1,0 +1,151 @@
+"""`bulk.insert_rows` stores exactly what SQLAlchemy's own executemany of the same statement stores."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from conftest import settings_for
+from sqlalchemy import select
+
+from maingrad.service.bulk import insert_rows
+from maingrad.service.local import ensure_project, open_database
+from maingrad.service.models import Alert, Analysis, Finding
+from maingrad.service.reports import _FINDINGS_INSERT, _upsert_alerts
+
+
+def _analysis(session: Any, project_id: int, sha: str) -> int:
+    a = Analysis(
+        project_id=project_id,
+        commit_sha=sha,
+        category="c",
+        format="sarif",
+        tool_name="t",
+        tool_version="",
+        content_sha256="0" * 64,
+        results_count=0,
+        files_scanned=0,
+        execution_successful=True,
+        runs_meta=[],
+        created_at=dt.datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=dt.timezone.utc),
+    )
+    session.add(a)
+    session.flush()
+    return a.id
+
+
+def _finding_rows(analysis_id: int, n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "analysis_id": analysis_id,
+            "run_index": i % 3,
+            "fingerprint": f"{i:064x}",
+            "context_hash": None if i % 4 == 0 else f"ctx{i}",
+            "rule": f"R{i % 7}",
+            "level": ("error", "warning", "note")[i % 3],
+            "severity_rank": i % 3,
+            "path": f"src/p{i}.py",
+            "start_line": None if i % 5 == 0 else i,
+            "start_column": i % 9,
+            "end_line": None,
+            "end_column": None,
+            "message": f"m{i} 'quoted' \"double\" \\ back, {{braces}} % percent\n\u00e9\U0001f600",
+            "snippet": "" if i % 2 else f"x = {i}",
+            "suppressed": i % 6 == 0,
+            "sarif": {"ruleId": f"R{i}", "nested": [1, 2.5, None, True, {"k": "v"}], "s": "\u00e9"},
+        }
+        for i in range(n)
+    ]
+
+
+def _columns(row: Any, table: Any, skip: set[str]) -> dict[str, Any]:
+    return {c.name: getattr(row, c.key) for c in table.c if c.name not in skip}
+
+
+def test_findings_and_alerts_match_sqlalchemy(fresh_database_url: str) -> None:
+    settings = settings_for(fresh_database_url)
+    with open_database(settings) as db:
+        ours = ensure_project(db, "ours")
+        theirs = ensure_project(db, "theirs")
+        with db.writing() as session:
+            a = _analysis(session, ours.id, "a" * 40)
+            b = _analysis(session, theirs.id, "b" * 40)
+        n = 2_500  # more than one PostgreSQL page
+        with db.writing() as session:
+            insert_rows(session.connection(), _FINDINGS_INSERT, _finding_rows(a, n), "findings")
+            session.connection().execute(_FINDINGS_INSERT, _finding_rows(b, n))
+        when = dt.datetime(2026, 5, 6, 7, 8, 9, 123456, tzinfo=dt.timezone.utc)
+
+        def alert_rows(project_id: int, analysis_id: int, level: str) -> list[dict[str, Any]]:
+            return [
+                {
+                    "project_id": project_id,
+                    "fingerprint": f"{i:064x}",
+                    "category": "c",
+                    "rule": f"R{i % 7}",
+                    "level": level,
+                    "severity_rank": 1,
+                    "path": f"src/p{i}.py",
+                    "message": f"m{i} %s %(x)s",
+                    "state": "open",
+                    "first_seen_commit": "a" * 40,
+                    "first_seen_at": when,
+                    "last_seen_commit": "a" * 40,
+                    "last_seen_branch": None if i % 2 else "main",
+                    "last_seen_at": when,
+                    "last_seen_analysis_id": analysis_id,
+                }
+                for i in range(n)
+            ]
+
+        with db.writing() as session:  # first insert, then an upsert that updates (and reopens fixed ones)
+            _upsert_alerts(session, alert_rows(ours.id, a, "warning"))
+            _upsert_alerts(session, alert_rows(theirs.id, b, "warning"))
+            for pid in (ours.id, theirs.id):
+                session.execute(
+                    Alert.__table__.update()  # type: ignore[attr-defined]
+                    .where(Alert.project_id == pid, Alert.id % 3 == 0)
+                    .values(state="fixed", fixed_commit="f" * 40)
+                )
+        with db.writing() as session:
+            _upsert_alerts(session, alert_rows(ours.id, a, "error"))
+            stmt = _upsert_statement(session)
+            session.connection().execute(stmt, alert_rows(theirs.id, b, "error"))
+        with db.reading() as session:
+            mine = session.execute(
+                select(Finding).where(Finding.analysis_id == a).order_by(Finding.id)
+            ).scalars()
+            ref = session.execute(
+                select(Finding).where(Finding.analysis_id == b).order_by(Finding.id)
+            ).scalars()
+            skip = {"id", "analysis_id"}
+            got = [_columns(r, Finding.__table__, skip) for r in mine]
+            want = [_columns(r, Finding.__table__, skip) for r in ref]
+            assert len(got) == n
+            assert got == want
+            alerts = {}
+            for pid in (ours.id, theirs.id):
+                rows = session.execute(
+                    select(Alert).where(Alert.project_id == pid).order_by(Alert.id)
+                ).scalars()
+                alerts[pid] = [
+                    _columns(r, Alert.__table__, {"id", "project_id", "last_seen_analysis_id"}) for r in rows
+                ]
+            assert len(alerts[ours.id]) == n
+            assert alerts[ours.id] == alerts[theirs.id]
+            assert {r["state"] for r in alerts[ours.id]} == {"open"}
+            assert {r["level"] for r in alerts[ours.id]} == {"error"}
+
+
+def _upsert_statement(session: Any) -> Any:
+    """The statement `_upsert_alerts` executes, for SQLAlchemy to execute itself."""
+    captured: list[Any] = []
+    import maingrad.service.reports as reports
+
+    real = reports.insert_columns
+    reports.insert_columns = lambda conn, stmt, columns, key: captured.append(stmt)  # type: ignore[assignment]
+    try:
+        reports._upsert_alerts(session, [{"fingerprint": "x"}])
+    finally:
+        reports.insert_columns = real
+    return captured[0]
