@@ -297,6 +297,7 @@ def scan(
     cached_outcomes: dict[str, dict[str, Any]] = {}
     file_facts: dict[str, list[str]] = {}
     fresh: set[str] = set()  # analyzed in this scan (their outcomes get this scan's facts)
+    _STATE["settings"] = settings  # pass 1 already judges suppressions of files no rule parses
 
     def classify(relpath: str, text: str) -> None:
         fresh.add(relpath)

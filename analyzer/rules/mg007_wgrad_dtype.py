@@ -357,12 +357,12 @@ before `add_`/`copy_` is dropped. Each is run on CPU in `tests/analyzer/test_fix
 stand-ins take their dtype contract (`wgrad_gemm_accum_fp32` for a float32 buffer, `wgrad_gemm_accum_fp16`
 for float16/bfloat16) from megatron-core 0.19.2's own dispatch, read from the wheel at test time.
 
-`out_dtype=` has no automatic fix: the message shows the change (`out_dtype=<out>.dtype`), `maingrad fix`
-does not apply it. TE 2.20.2's `general_gemm` hands `out` and `out_dtype` unchanged to its compiled
-`generic_gemm`; whether that raises when they disagree, casts into `out`, or ignores `out_dtype`, and
-whether `out_dtype=None` with an fp32 `out` and bf16 inputs writes fp32, is decided there and needs a GPU
-to establish (`tests/gpu/mg007_out_dtype.py` prints those cases). Until then a CPU stand-in would only
-encode a guess, so the change is left to the author.
+`out_dtype` becomes `<out>.dtype` (safe). Measured on the H200 with TE 2.20.2 (`tests/gpu/mg007_out_dtype.py`,
+docs/gpu-evidence.md): `general_gemm` with an `out=` buffer raises `RuntimeError` in its compiled GEMM when
+`out_dtype` differs from the buffer's dtype (fp32 buffer with bf16, bf16 buffer with fp32), and with a matching
+`out_dtype` (or `None`) writes into the buffer itself, accumulating when asked. So the fix only changes a call
+that raises into one that accumulates; `tests/analyzer/test_fixes_run.py` runs it against a stand-in with that
+contract.
 
 ## In real code
 megatron-core 0.16.1, 0.18.2 and 0.19.2 `LinearWithGradAccumulationAndAsyncCommunication.backward`, Megatron-FSDP
@@ -466,7 +466,7 @@ The same code in HYGON-AI/Megatron-LM-das and krafton-ai/Megatron-Dion (second t
         ),
     ]
     INVALID = [
-        # A constant out_dtype for an out=main_grad GEMM (no automatic fix: the message shows the change).
+        # A constant out_dtype for an out=main_grad GEMM (safe fix: take it from the buffer).
         Example(
             """\
             import torch
@@ -475,6 +475,12 @@ The same code in HYGON-AI/Megatron-LM-das and krafton-ai/Megatron-Dion (second t
                 general_gemm(x, dy, out=weight.main_grad, out_dtype=torch.bfloat16, accumulate=True)
             """,
             line=4,
+            fixed="""\
+            import torch
+
+            def backward(ctx, weight, x, dy):
+                general_gemm(x, dy, out=weight.main_grad, out_dtype=weight.main_grad.dtype, accumulate=True)
+            """,
         ),
         # The activation dtype in a kwargs literal.
         Example(
@@ -485,6 +491,12 @@ The same code in HYGON-AI/Megatron-LM-das and krafton-ai/Megatron-Dion (second t
                 return general_gemm(x, dy, **kwargs)
             """,
             line=3,
+            fixed="""\
+            def backward(ctx, x, dy):
+                main_grad = ctx.weight.main_grad
+                kwargs = {"out": main_grad, "out_dtype": main_grad.dtype, "layout": "NT"}
+                return general_gemm(x, dy, **kwargs)
+            """,
         ),
         # megatron-core's fallback: torch.matmul into an fp32 buffer raises for bf16 inputs.
         Example(
@@ -630,9 +642,12 @@ The same code in HYGON-AI/Megatron-LM-das and krafton-ai/Megatron-Dion (second t
             source = dtype_source(ctx, scope, dtype)
             if source in (_Source.FIXED, _Source.ACTIVATION):
                 what = "a fixed dtype" if source == _Source.FIXED else "the activation/parameter dtype"
-                # No fix: what TE's GEMM does with an `out=` whose dtype differs from `out_dtype` (raise,
-                # cast, or ignore `out_dtype`) is decided in its compiled extension, not in the Python the
-                # fix could be proven against on CPU; the message shows the change (see the rule's docs).
+                # TE 2.20.2's compiled GEMM raises when `out_dtype` differs from `out`'s dtype and honours a
+                # matching one (measured on the H200: docs/gpu-evidence.md, MG007): take it from the buffer.
+                fix = None
+                if is_simple_chain(out):
+                    new_dtype = cst.Attribute(value=out, attr=cst.Name("dtype"))
+                    fix = Fix({dtype: new_dtype}, "take out_dtype from the output buffer")
                 yield Violation(
                     node=holder,
                     context_node=node,
@@ -644,6 +659,7 @@ The same code in HYGON-AI/Megatron-LM-das and krafton-ai/Megatron-Dion (second t
                         else f"the wgrad is written into `{code_of(out)}` with `out_dtype={code_of(dtype)}`, "
                         f"{what} instead of the buffer's; take `out_dtype` from `main_grad.dtype`"
                     ),
+                    fix=fix,
                 )
         if isinstance(node, cst.Call):
             name = ctx.names.qualified_name(node.func) or ""

@@ -746,3 +746,39 @@ def test_mg007_dispatch_fix_calls_the_kernel_megatron_calls(
     else:
         with pytest.raises(RuntimeError, match="wgrad_gemm_accum_fp32 on a"):
             run(code)
+
+
+def _measured_gemm(A, B, out_dtype=None, out=None, accumulate=False, **_: object):  # noqa: N803
+    """TE 2.20.2's general_gemm with an `out=` buffer as measured on the H200 (tests/gpu/mg007_out_dtype.py,
+    docs/gpu-evidence.md): an `out_dtype` other than the buffer's raises in the compiled GEMM; a matching one
+    (or None) writes the wgrad D = B^T A into the buffer itself, adding to it with accumulate=True."""
+    if out is not None and out_dtype is not None and out_dtype != out.dtype:
+        raise RuntimeError("gemm.cpp:210 in function gemm: output dtype does not match out_dtype")
+    result = B.t().float() @ A.float()
+    if out is None:
+        return [result.to(out_dtype or A.dtype), None, None, None]
+    if accumulate:
+        out.add_(result.to(out.dtype))
+    else:
+        out.copy_(result.to(out.dtype))
+    return [out, None, None, None]
+
+
+def test_mg007_out_dtype_fix_turns_the_raising_gemm_into_accumulation() -> None:
+    """`out_dtype=torch.bfloat16` into an fp32 `main_grad`: TE raises; after the fix (`out_dtype` from the buffer)
+    two micro-batches accumulate their wgrads in fp32. The stand-in binds TE's real signature."""
+    code, fixed = _example("MG007", 0)
+    signature = real_signature(TE, "transformer_engine/pytorch/cpp_extensions/gemm.py", "general_gemm")
+    gemm = stand_in(signature, _measured_gemm)
+    xs = [torch.randn(8, 3).to(torch.bfloat16) for _ in range(2)]
+    dys = [torch.randn(8, 2).to(torch.bfloat16) for _ in range(2)]
+    weight = types.SimpleNamespace(main_grad=torch.zeros(2, 3, dtype=torch.float32))
+    original = typing.cast(Callable[..., None], _load(code, general_gemm=gemm)["backward"])
+    with pytest.raises(RuntimeError):
+        original(None, weight, xs[0], dys[0])
+    repaired = typing.cast(Callable[..., None], _load(fixed, general_gemm=gemm)["backward"])
+    for x, dy in zip(xs, dys, strict=True):
+        repaired(None, weight, x, dy)
+    expected = sum(dy.t().float() @ x.float() for x, dy in zip(xs, dys, strict=True))
+    assert weight.main_grad.dtype == torch.float32
+    torch.testing.assert_close(weight.main_grad, expected)

@@ -103,3 +103,21 @@ def test_comments_only_not_strings() -> None:
     assert [(d.line, d.codes) for d in parsed.directives] == [(2, frozenset({"MG001"}))]
     broken = parse_suppressions('s = """\n# maingrad: ignore\n')  # untokenizable: line scan fallback
     assert [d.line for d in broken.directives] == [2]
+
+
+def test_unused_ignores_in_a_fresh_process(tmp_path) -> None:
+    """A file no rule parses gets its suppressions judged in the first pass, before any analysis ran in the
+    process: a fresh `maingrad check` must not depend on an earlier scan's state (it raised KeyError once)."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "clean.py").write_text("z = 1  # maingrad: ignore[MG901]\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "maingrad.cli.main", "check", str(tmp_path), "--no-cache", "--format", "json",
+         "--warn-unused-ignores"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert "internal error" not in done.stderr, done.stderr
+    rules = [f["rule"] for f in json.loads(done.stdout)["findings"]]
+    assert rules == ["MG000"]

@@ -643,6 +643,15 @@ def scan(case: Case) -> dict[str, Any]:
     return out
 
 
+def setup_distributed() -> None:
+    """One GPU, one rank: the process group and megatron-core's model-parallel state the models need."""
+    from megatron.core import parallel_state
+
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="+", help="case names, or 'zoo' / 'bugs' for all of them")
@@ -660,13 +669,10 @@ def main() -> None:
     if unknown or args.list:
         say("cases:", " ".join(CASES))
         sys.exit(2 if unknown else 0)
-    torch.cuda.set_device(0)
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    setup_distributed()
     import megatron.core
     import transformer_engine
-    from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     say(f"megatron-core {megatron.core.__version__}; TE {transformer_engine.__version__}; torch {torch.__version__}; "
         f"{torch.cuda.get_device_name(0)}")  # fmt: skip
     if args.scan:

@@ -1,0 +1,62 @@
+"""Where a preflight call's time goes on one GPU (diagnostic, not a test): the wrapper's own calls timed alone,
+then one preflight call under torch.profiler, its ops sorted by CPU and by CUDA time.
+
+    PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19:tests/gpu/stub python3 tests/gpu/preflight_profile.py gpt541m-untied-ddp-bf16
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import preflight_zoo as zoo
+import torch
+
+
+def clock(call: Callable[[], Any], n: int = 5) -> float:
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    import maingrad.hooks
+    from maingrad.hooks.preflight.wrappers import choose
+
+    zoo.setup_distributed()
+    case = zoo.CASES[sys.argv[1] if len(sys.argv) > 1 else "gpt541m-untied-ddp-bf16"]
+    model, _cfg = zoo.build(case)
+    data = zoo.make_batches(case)
+    adapter = choose(model, "auto")
+    zoo.run_microbatch(model, data[0])
+    print(f"PROFILE zero {clock(adapter.zero):.2f} ms, finish {clock(adapter.finish):.2f} ms, "
+          f"prepare {clock(adapter.prepare):.2f} ms, commit {clock(adapter.commit):.2f} ms", flush=True)  # fmt: skip
+    with torch.no_grad():
+        print(f"PROFILE forward {clock(lambda: zoo.loss_fn(model, data[0])):.2f} ms", flush=True)
+    print(f"PROFILE forward+backward {clock(lambda: zoo.run_microbatch(model, data[0])):.2f} ms", flush=True)
+
+    def call() -> Any:
+        return maingrad.hooks.preflight(model, zoo.run_microbatch, data, loss_fn=zoo.loss_fn)
+
+    call()
+    print(f"PROFILE preflight {clock(call, 3):.1f} ms", flush=True)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        result = call()
+        torch.cuda.synchronize()
+    print(result.cost, flush=True)
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
+    print(table.table(sort_by="self_cuda_time_total", row_limit=30), flush=True)
+
+
+if __name__ == "__main__":
+    main()
