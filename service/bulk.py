@@ -44,7 +44,7 @@ def _prepare(
     target = dialect if dialect.paramstyle == "qmark" else _format_dialect(dialect)
     compiled: Any = stmt.compile(dialect=target, column_keys=list(columns), for_executemany=True)
     prepared: tuple[str, list[str], list[Any], list[Any]] | None = None
-    names = list(compiled.positiontup or ())
+    names: list[str] = list(compiled.positiontup or ())
     row_names = names[: len(columns)]  # the VALUES clause: the table's column order
     if (
         dialect.paramstyle in ("qmark", "pyformat", "format")
@@ -56,7 +56,7 @@ def _prepare(
         table: Any = stmt.table
         procs = [table.c[c].type.dialect_impl(dialect).bind_processor(dialect) for c in row_names]
         params = compiled.construct_params({c: None for c in columns})
-        trailing = []
+        trailing: list[Any] = []
         for name in names[len(columns) :]:
             value = params[name]
             if not (value is None or type(value) in (str, int, bool)):

@@ -200,7 +200,6 @@ def _compile(schema: dict[str, Any], seen: dict[int, Checker]) -> Checker:
     by_kind[list] = _compile_array(schema, seen)
     by_kind[dict] = _compile_object(schema, seen)
 
-    check: Checker
     if has_const or enum is not None:
 
         def check(value: Any) -> bool:
