@@ -8,7 +8,7 @@ runs on the dummy: an all-reduce that keeps replicated factors in sync synchroni
 which reads `main_grad`, steps with rank-local gradients (radixark/miles #2723: Megatron-Bridge's shared-outer
 LoRA factor drifted apart across eight TP ranks after the second update).
 
-What is judged: every `X.register_hook(fn)` whose receiver is a parameter (`<module>.weight`/`.bias`, a local
+What is judged: every `X.register_hook(fn)` whose receiver is a weight (`<module>.weight`, a local
 bound to `getattr(module, "weight")` or to such an attribute, a loop variable over them, or a function argument
 named or annotated as a parameter/weight), in a file that imports `megatron` or `transformer_engine` (or lies in
 their package trees), where `fn` (a same-file function, a method of the enclosing class through `self.`, a
@@ -16,7 +16,8 @@ closure, a lambda, or `functools.partial` of one) calls a collective (`all_reduc
 `all_gather`, `broadcast`, ...) or returns a new gradient. It is fine when `fn` mentions `main_grad`, or when a
 test deciding whether the hook is registered reads `gradient_accumulation_fusion` / `fuse_wgrad_accumulation`
 (the hook path kept for the unfused case). Hooks on autograd nodes (`grad_acc.register_hook`, the
-data-parallel wrapper's own) and on activations are not parameters and are not judged.
+data-parallel wrapper's own), on activations, and on biases (the linear backwards return the bias gradient
+to autograd: the hook sees it) are not judged.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ _COLLECTIVES = frozenset(
         "all_to_all_single",
     }
 )
-_PARAM_ATTRS = frozenset({"weight", "bias"})
+# Only the weight: fused wgrad accumulation writes the weight's gradient into main_grad and returns a dummy;
+# TE's and megatron-core's linear backwards return the bias gradient to autograd as usual, so a bias hook sees
+# the real gradient (a false alarm on Ascend/MindSpeed-MM's `linear_qkv.bias` hook, triaged in real-world.md).
+_PARAM_ATTRS = frozenset({"weight"})
 _FUSION_FLAGS = frozenset({FUSE_WGRAD_FLAG, "gradient_accumulation_fusion", "accumulate_into_main_grad"})
 _STACKS = ("megatron", "transformer_engine")
 
@@ -95,7 +99,7 @@ def _is_parameter(
         if expr.value in params:
             param = params[expr.value]
             annotation = code_of(param.annotation.annotation) if param.annotation is not None else ""
-            return "Parameter" in annotation or expr.value in ("weight", "param", "parameter", "bias")
+            return "Parameter" in annotation or expr.value in ("weight", "param", "parameter")
         if depth < 4:
             return any(_is_parameter(v, bindings, params, depth + 1) for v in bindings.get(expr.value, []))
     return False
@@ -179,6 +183,24 @@ Megatron-Bridge main (2026-08-22) `peft/utils.py`: the replicated-factor hook of
 """
 
     VALID = [
+        # A bias: the linear backward returns its gradient to autograd, fused or not (Ascend/MindSpeed-MM's
+        # `linear_qkv.bias` hook zeroing the K part; was a false alarm).
+        Example(
+            """\
+            from megatron.core.transformer.attention import SelfAttention
+
+            class Encoder(SelfAttention):
+                def __init__(self, config, submodules, layer_number):
+                    super().__init__(config, submodules, layer_number)
+
+                    def freeze_k_bias_grad_hook(grad):
+                        grad_clone = grad.clone()
+                        grad_clone[:4] = 0
+                        return grad_clone
+
+                    self.linear_qkv.bias.register_hook(freeze_k_bias_grad_hook)
+            """
+        ),
         # The unfused path only: the registration is decided by the fusion flag.
         Example(
             """\
@@ -293,7 +315,7 @@ Megatron-Bridge main (2026-08-22) `peft/utils.py`: the replicated-factor hook of
             """,
             line=13,
         ),
-        # Through functools.partial, on a TE module's bias.
+        # Through functools.partial, on a TE module's weight.
         Example(
             """\
             import functools
@@ -306,7 +328,7 @@ Megatron-Bridge main (2026-08-22) `peft/utils.py`: the replicated-factor hook of
 
             def build(hidden):
                 layer = te.Linear(hidden, hidden, fuse_wgrad_accumulation=True)
-                layer.bias.register_hook(functools.partial(_scale, factor=0.5))
+                layer.weight.register_hook(functools.partial(_scale, factor=0.5))
                 return layer
             """,
             line=11,
@@ -470,7 +492,7 @@ def _ast_is_parameter(
         if expr.id in params:
             arg = params[expr.id]
             annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
-            if "Parameter" in annotation or expr.id in ("weight", "param", "parameter", "bias"):
+            if "Parameter" in annotation or expr.id in ("weight", "param", "parameter"):
                 return True
         if depth < 6:
             return any(_ast_is_parameter(v, bindings, params, depth + 1) for v in bindings.get(expr.id, []))

@@ -782,3 +782,73 @@ def test_mg007_out_dtype_fix_turns_the_raising_gemm_into_accumulation() -> None:
     expected = sum(dy.t().float() @ x.float() for x, dy in zip(xs, dys, strict=True))
     assert weight.main_grad.dtype == torch.float32
     torch.testing.assert_close(weight.main_grad, expected)
+
+
+def _fused_stack(init_signature: inspect.Signature) -> types.SimpleNamespace:
+    """`te.pytorch.ops` as the H200 showed it (docs/gpu-evidence.md): a fused `Sequential` whose forward checks
+    its GroupedLinear's first weight, `MAIN GRAD NOT FOUND` without the attribute, `MAIN GRAD IS NONE` when it
+    is None; the GroupedLinear stand-in binds TE 2.20.2's real constructor signature."""
+
+    class GroupedLinear(torch.nn.Module):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__()
+            init_signature.bind(self, *args, **kwargs)
+            self.weights: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            first = self.weights[0]
+            if not hasattr(first, "main_grad"):
+                raise RuntimeError("MAIN GRAD NOT FOUND")
+            if first.main_grad is None:
+                raise RuntimeError("MAIN GRAD IS NONE")
+            return x
+
+    class Sequential(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = torch.nn.ModuleList()
+
+        def append(self, op: torch.nn.Module) -> None:
+            self.ops.append(op)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for op in self.ops:
+                x = op(x)
+            return x
+
+    return types.SimpleNamespace(pytorch=types.SimpleNamespace(ops=types.SimpleNamespace(
+        Sequential=Sequential, GroupedLinear=GroupedLinear)))  # fmt: skip
+
+
+def test_mg001_fix_exposes_main_grad_before_the_fused_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused container whose pre-forward hook never exposes Megatron-FSDP's lazily created `main_grad`: the
+    fused forward raises as on the H200; after the fix the hook takes the buffer from `get_main_grad()` (and a
+    DDP parameter, without `get_main_grad`, keeps its own)."""
+    code, fixed = _example("MG001", 0)
+    init = real_signature(TE, "transformer_engine/pytorch/ops/basic/grouped_linear.py", "__init__")
+    te = _fused_stack(init)
+    monkeypatch.setitem(
+        sys.modules, "transformer_engine", te
+    )  # the example's `import transformer_engine as te`
+    buffer = torch.zeros(8, 8)
+
+    class FsdpWeight(torch.nn.Parameter):
+        def get_main_grad(self) -> torch.Tensor:
+            return buffer
+
+    def experts(source: str) -> torch.nn.Module:
+        cls = typing.cast(type, _load(source)["Experts"])
+        module = cls()
+        module.linear_fc1 = torch.nn.Module()
+        module.linear_fc1.fuse_wgrad_accumulation = True
+        module.linear_fc1.weight0 = FsdpWeight(torch.zeros(8, 8))
+        ops = module._make_fused_ops()
+        ops.ops[0].weights = [module.linear_fc1.weight0]
+        module.ops = ops
+        return module
+
+    with pytest.raises(RuntimeError, match="MAIN GRAD NOT FOUND"):
+        experts(code).ops(torch.ones(2, 8))
+    repaired = experts(fixed)
+    repaired.ops(torch.ones(2, 8))
+    assert repaired.linear_fc1.weight0.main_grad is buffer
