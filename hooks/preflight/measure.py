@@ -38,6 +38,10 @@ def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     _TORCH._foreach_copy_(list(dst), list(src))
 
 
+def foreach_add_(tensors: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> None:
+    _TORCH._foreach_add_(list(tensors), list(other))
+
+
 def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
     _TORCH._foreach_mul_(list(tensors), factor)
 

@@ -68,6 +68,7 @@ from maingrad.hooks.preflight.measure import (
     copies,
     copy_dtype,
     flat,
+    foreach_add_,
     foreach_copy_,
     foreach_mul_,
     foreach_sub_,
@@ -108,6 +109,10 @@ class _Node:
         self.probe = probe
         self.indexes = indexes
         self.tol = tol
+        self.parts: list[
+            tuple[str, list[int]]
+        ] = []  # the groups a combined probe holds (split along them first)
+        self.halvings = 0  # splits of a group's own parameters above this node (not of a combined probe)
         self.levels: dict[float, tuple[float, float]] = {}
         self.parent: _Node | None = None
         self.sibling: _Node | None = None
@@ -141,6 +146,11 @@ class _Moves:
                 self.tnorm[i] = float(norm(check.adapter.target(check.entries[i])))
         self.nonzero = [i for i in present if self.gnorm[i] > 0 and math.isfinite(self.gnorm[i])]
         self.nonzero_set = set(self.nonzero)
+        # per weight, a power of two: its group's step over the combined probe's step (1 where groups are probed
+        # alone); every probe that holds the weight moves it by the same multiple, so a half inferred as the
+        # parent minus its sibling is the half's own measurement
+        self.mult = [1.0] * n
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def size(self, i: int, t: torch.Tensor) -> float:
         """|move| per unit step: the weights' norm (at least sqrt(numel) x 2^-7, for weights initialised to 0)."""
@@ -198,10 +208,15 @@ class _Moves:
         return delta
 
     def jitter(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        gen = torch.Generator(device=t.device).manual_seed(7919 + i)
-        d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
+        """+-2 units of round-off of each element, signs seeded per weight (the same at + and -), computed in
+        the weight's own dtype: (0 or 4u) - 2u is exact, and so is its product with |t| (a power of two)."""
+        gen = self._generators.get(t.device)
+        if gen is None:
+            gen = self._generators[t.device] = torch.Generator(device=t.device)
+        gen.manual_seed(7919 + i)
         u = unit_roundoff(self.check.adapter.compute_dtype(self.check.entries[i]))
-        return d * t.float().abs() * (2 * u)
+        d = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=t.dtype)
+        return d.mul_(4 * u).sub_(2 * u).mul_(t.abs())
 
 
 class _Along:
@@ -213,7 +228,7 @@ class _Along:
         self.step = step
 
     def factor(self, i: int, t: torch.Tensor) -> float:
-        return self.step * self.moves.size(i, t) / self.moves.gnorm[i]
+        return self.step * self.moves.mult[i] * self.moves.size(i, t) / self.moves.gnorm[i]
 
     def __call__(self, i: int, t: torch.Tensor) -> torch.Tensor:
         g = cast(torch.Tensor, self.moves.directions[i])
@@ -289,6 +304,9 @@ class Check:
         self.loss_unit = unit_roundoff(torch.float32)
         self.zero_noise = 0.0
         self.residuals: list[float] = []  # |C - r P| at the accepted steps of reliable estimates
+        self.fd_group_count = 0  # groups probed (the combined probe counts its groups)
+        self.multipliers: dict[str, float] = {}  # group -> its step over the combined probe's step
+        self.step_mult: list[float] = []  # per parameter, the same (set by fd())
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{leaf_pattern(e.leaf)}"
@@ -441,16 +459,18 @@ class Check:
         """The other micro-batches alone, each added into the copy (the sum of the singles, rounded once)."""
         for k in range(1, len(self.batches)):
             flats = self._run(f"s{k}", [k])
+            adds: list[int] = []
             for i in self.present[f"s{k}"]:
                 f = cast(torch.Tensor, flats[i])
-                c = self.copy[i]
-                if c is None:
+                if self.copy[i] is None:
                     dtype = copy_dtype(f.dtype, self.tolerance(i, f.dtype))
                     self.copy[i] = f.to(dtype, copy=True)
                     self.copy_bytes += f.numel() * dtype.itemsize
                     self.copy_dtypes.add(str(dtype))
                 else:
-                    c.add_(f)
+                    adds.append(i)
+            if adds:  # one multi-tensor launch, not one add per parameter
+                foreach_add_(some(self.copy, adds), some(flats, adds))
             del flats
 
     def sequence(self) -> None:
@@ -564,22 +584,34 @@ class Check:
 
     # -- finite differences -------------------------------------------------------------------------------------
     def fd(self) -> None:
-        """The probes: groups first, bisected where their estimate deviates, one host transfer per round."""
+        """The probes: one combined probe of every group with a gradient (each group moved at its own step,
+        scaled to a comparable share of the predicted change), split into the groups and then bisected where
+        an estimate deviates; a probe per group without gradient; one host transfer per round."""
         moves = _Moves(self)
+        self.step_mult = moves.mult
         groups: dict[tuple[str, bool], list[int]] = {}
         for i, r in enumerate(self.results):
             if not math.isfinite(moves.gnorm[i]):
                 continue  # a non-finite gradient has no direction to probe
             groups.setdefault((r.group, not moves.gnorm[i] > 0.0), []).append(i)
+        parts = [(key, indexes) for (key, zero), indexes in groups.items() if not zero]
+        self.fd_group_count = len(groups)
         roots: list[_Node] = []
+        if len(parts) > 1:
+            root = self._node(f"all {len(parts)} groups", [i for _, idx in parts for i in idx], False, 0)
+            root.parts = parts
+            roots.append(root)
+        else:
+            roots += [self._node(key, indexes, False, 0) for key, indexes in parts]
         for (key, zero), indexes in groups.items():
-            roots.append(self._node(key + (" (zero gradient)" if zero else ""), indexes, zero, 0))
+            if zero:
+                roots.append(self._node(key + " (zero gradient)", indexes, True, 0))
         if moves.nonzero:
             self._round(moves, [], True)  # the noise first: it sets the first steps
-        first_steps = self._first_steps(roots, moves)
         requests: list[tuple[_Node, float]] = []
+        first = self._first_steps(parts, moves)
         for node in roots:
-            s0 = ZERO_STEP0 if node.zero else first_steps[id(node)]
+            s0 = ZERO_STEP0 if node.zero else first
             requests += [(node, s0), (node, s0 / 2)]
         waiting: list[_Node] = []
         while requests:
@@ -597,32 +629,55 @@ class Check:
                 waiting = []
         self._check_visible(roots)
 
-    def _first_steps(self, roots: list[_Node], moves: _Moves) -> dict[int, float]:
-        """The larger step of each probe's first pair (keyed by id of the node): the caller's fd_step, else twice
-        the smallest power of two at which the measured noise is at most E_MAX / NOISE_SHARE of the predicted
-        change. Truncation grows with the step and rounding shrinks, so the smallest step where rounding is
-        small enough is where two steps most often agree at once (on the H200, the 541M GPT's three groups each
-        agreed at their first pair: 14 loss forwards). The predicted change is estimated before any forward on each
-        weight's subset, with the move rounded to the dtype the forward computes in: in bf16 most elements of
-        a small move round to nothing, so the change is far below step x |w| x |g| there. With an fp32 (or
-        wider) forward, rounding allows tiny steps; the first step stays at least STEP0 there, where the
-        estimate is more precise."""
-        out: dict[int, float] = {}
-        nodes = [n for n in roots if not n.zero]
-        if self.fd_step is not None or not nodes:
-            return {id(n): self.fd_step if self.fd_step is not None else STEP0 for n in nodes}
-        gains = moves.rounded_gains([[i for i in n.indexes if i in moves.nonzero_set] for n in nodes])
+    def _first_steps(self, parts: list[tuple[str, list[int]]], moves: _Moves) -> float:
+        """The larger step of the first pair, with each group's multiplier set in `moves.mult`.
+
+        A group's own step is the caller's fd_step, else twice the smallest power of two at which the measured
+        noise is at most E_MAX / NOISE_SHARE of its predicted change. Truncation grows with the step and
+        rounding shrinks, so the smallest step where rounding is small enough is where two steps most often
+        agree at once (on the H200, the 541M GPT's three groups each agreed at their first pair). The predicted
+        change is estimated before any forward on each weight's subset, with the move rounded to the dtype the
+        forward computes in: in bf16 most elements of a small move round to nothing, so the change is far
+        below step x |w| x |g| there. With an fp32 (or wider) forward, rounding allows tiny steps; a group's
+        step stays at least STEP0 there, where the estimate is more precise.
+
+        The groups are then probed together: each group's step is lowered (by powers of two, never below the
+        noise condition of the smallest group's change) until its predicted change is within 2x of the
+        smallest group's, so that a group off by x2 moves the combined ratio by a third or more of that, not
+        by its share of a change another group dominates; the multipliers make every later probe of a group
+        move it exactly as the combined one did."""
+        if not parts:
+            return STEP0
+        if self.fd_step is not None:
+            return self.fd_step
+        gains = moves.rounded_gains([[i for i in idx if i in moves.nonzero_set] for _, idx in parts])
         self.syncs += 1
         threshold = max(self.noise, self._floor()) * NOISE_SHARE / E_MAX
-        for node, gain in zip(nodes, gains, strict=True):
+        chosen: list[int] = []  # per group, an index into CANDIDATE_STEPS (larger step: smaller index)
+        for (_, indexes), gain in zip(parts, gains, strict=True):
             # the change grows with the step: the steps above the threshold are the larger ones
-            ok = [st for st, g in zip(CANDIDATE_STEPS, gain, strict=True) if abs(g) >= threshold]
-            step = min(2 * ok[-1], STEP_MAX) if ok else STEP_MAX
+            ok = [k for k, g in enumerate(gain) if abs(g) >= threshold]
+            k = max(ok[-1] - 1, 0) if ok else 0
             wide = all(
-                unit_roundoff(self.adapter.compute_dtype(self.entries[i])) <= 2.0**-20 for i in node.indexes
+                unit_roundoff(self.adapter.compute_dtype(self.entries[i])) <= 2.0**-20 for i in indexes
             )
-            out[id(node)] = max(step, STEP0) if wide else step
-        return out
+            if wide:
+                k = min(k, CANDIDATE_STEPS.index(STEP0))
+            chosen.append(k)
+        smallest = min(abs(g[k]) for g, k in zip(gains, chosen, strict=True))
+        for j, gain in enumerate(gains):
+            while chosen[j] + 1 < len(CANDIDATE_STEPS) and abs(gain[chosen[j]]) > 2 * smallest:
+                if abs(gain[chosen[j] + 1]) < max(smallest / 2, threshold):
+                    break
+                chosen[j] += 1
+        top = min(chosen)
+        for (_, indexes), k in zip(parts, chosen, strict=True):
+            for i in indexes:
+                moves.mult[i] = CANDIDATE_STEPS[k] / CANDIDATE_STEPS[top]
+        self.multipliers = {
+            key: CANDIDATE_STEPS[k] / CANDIDATE_STEPS[top] for (key, _), k in zip(parts, chosen, strict=True)
+        }
+        return min(CANDIDATE_STEPS[top], STEP_MAX)
 
     def _round(self, moves: _Moves, requests: list[tuple[_Node, float]], first: bool) -> list[_Node]:
         """Evaluate every requested (probe, step) at +- the step (and, in the first round, the noise), install
@@ -726,6 +781,9 @@ class Check:
         probe = node.probe
         probe.error = est.error
         probe.step = est.step
+        mults = {self.step_mult[i] for i in node.indexes} if self.step_mult and not node.zero else set()
+        if est.step is not None and len(mults) == 1:
+            probe.step = est.step * mults.pop()  # the step the group's own weights moved by
         multi = len(node.indexes) > 1
         if node.zero:
             probe.scale = 0.0 if est.moves else None
@@ -746,7 +804,7 @@ class Check:
                 probe.reason = f"true / reported {r:.3g}: the reported gradient points the wrong way"
                 return self._split(node, est) if multi else self._set(node, "wrong")
             probe.reason = est.reason
-            if multi and probe.depth < UNRELIABLE_SPLITS:
+            if multi and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
                 return self._split(node, est)
             return self._set(node, "inconclusive")
         dev = abs(math.log(r))
@@ -759,7 +817,9 @@ class Check:
                 return self._set(node, "ok")
         elif not est.off:  # never a verdict from an estimate that did not check itself
             probe.reason = est.reason
-            if multi and probe.depth < UNRELIABLE_SPLITS:  # smaller parts may be linear at a larger step
+            if multi and (
+                len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS
+            ):  # smaller parts may be linear at a larger step
                 return self._split(node, est)
             return self._set(node, "inconclusive")
         if multi:
@@ -772,13 +832,27 @@ class Check:
         return []
 
     def _split(self, node: _Node, est: Estimate) -> list[tuple[_Node, float]]:
-        """Two halves: the first evaluated at the parent's two accepted steps, the second inferred from the
-        parent minus the first (the directional derivative is linear in the direction)."""
+        """Two halves: a combined probe's groups in two sets (down to one group each), a group's parameters in
+        two halves. The first half is evaluated at the parent's two accepted steps, the second inferred from
+        the parent minus the first (the directional derivative is linear in the direction)."""
         node.probe.verdict = "split"
-        half = len(node.indexes) // 2
         key, depth, zero = node.probe.key, node.probe.depth + 1, node.zero
-        left = self._node(f"{key}[{depth}a]", node.indexes[:half], zero, depth)
-        right = self._node(f"{key}[{depth}b]", node.indexes[half:], zero, depth)
+        if len(node.parts) > 1:
+            half = len(node.parts) // 2
+            sets = [node.parts[:half], node.parts[half:]]
+            keys = [
+                p[0][0] if len(p) == 1 else f"{key}[{depth}{ab}] ({len(p)} groups)"
+                for p, ab in zip(sets, "ab", strict=True)
+            ]
+            left = self._node(keys[0], [i for _, idx in sets[0] for i in idx], zero, depth)
+            right = self._node(keys[1], [i for _, idx in sets[1] for i in idx], zero, depth)
+            left.parts, right.parts = sets
+            left.halvings = right.halvings = node.halvings
+        else:
+            half = len(node.indexes) // 2
+            left = self._node(f"{key}[{depth}a]", node.indexes[:half], zero, depth)
+            right = self._node(f"{key}[{depth}b]", node.indexes[half:], zero, depth)
+            left.halvings = right.halvings = node.halvings + 1
         left.parent = right.parent = node
         left.sibling, right.sibling = right, left
         steps = est.pair or (cast(float, est.step) * 2, cast(float, est.step))
@@ -1001,7 +1075,7 @@ def _execute(check: Check) -> PreflightResult:
         "microbatch_passes": check.passes,
         "forward_passes": check.forwards,
         "loss_evaluations": check.evaluations,
-        "fd_groups": sum(1 for p in check.probes if p.depth == 0),
+        "fd_groups": check.fd_group_count,
         "fd_probes": len(check.probes),
         "fd_rounds": check.rounds,
         "bisection_depth": depth,

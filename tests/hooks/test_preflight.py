@@ -330,14 +330,16 @@ def test_host_syncs_and_cost() -> None:
     # estimates (both groups agree at the first two steps), the comparison
     assert passing.ok and passing.cost["host_syncs"] == 5, passing.table()
     assert passing.cost["microbatch_passes"] == 6  # three singles, the sequence of three; no repeat
-    assert (
-        passing.cost["fd_groups"] == 2 and passing.cost["forward_passes"] == 2 + 4 * 2
-    )  # noise + 2 steps each
+    # the noise, then both groups in one combined probe at two steps (each group at its own multiple)
+    assert passing.cost["fd_groups"] == 2 and passing.cost["forward_passes"] == 2 + 4
+    assert [g.verdict for g in passing.groups] == ["ok"]
+    assert sorted(passing.groups[0].names) == sorted(p.name for p in passing.params)
     assert passing.cost["fd_rounds"] == 2 and passing.cost["bisection_depth"] == 0
     failing = check(fsdp("basic", "optim_grads_params"))
-    # + the repeat of the first micro-batch (one pass, one sync); the x2 is a group of its own: no bisection
-    assert failing.cost["host_syncs"] == 6 and failing.cost["microbatch_passes"] == 7
-    assert failing.cost["forward_passes"] == 2 + 4 * 2
+    # + the repeat of the first micro-batch (one pass, one sync); the x2 is a group of its own: the combined
+    # probe deviates and splits into the two groups (one evaluated, one inferred as the rest): one more round
+    assert failing.cost["host_syncs"] == 7 and failing.cost["microbatch_passes"] == 7
+    assert failing.cost["forward_passes"] == 2 + 4 + 4 and failing.cost["bisection_depth"] == 1
     assert set(failing.cost["seconds_by_part"]) == {"runs", "finite_differences", "comparison"}
 
 
