@@ -156,3 +156,53 @@ def test_wrapper_specific_lines() -> None:
         assert "Megatron-FSDP" not in result.table() and "overwrite_main_grad is True" not in result.table()
     assert ddp.wrapper_kind == "megatron-ddp" and "zero_grad_buffer()" in ddp.fix("grad_stale")
     assert "replaces .grad" in plain.table()
+
+
+class _LateExpert(torch.nn.Module):
+    """A shared layer and an expert that only rows with a positive first feature reach: in the batches below the
+    first micro-batch routes no row to it, the later ones do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(8, 8)
+        self.expert = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.base(x))
+        routed = x[:, 0] > 0
+        out = h.clone()
+        if routed.any():
+            out[routed] = out[routed] + self.expert(h[routed])
+        return out
+
+
+def _late_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for k in range(3):
+        x = torch.randn(16, 8, generator=gen)
+        x[:, 0] = -x[:, 0].abs() if k == 0 else x[:, 0].abs()  # no row of micro-batch 0 reaches the expert
+        out.append((x, torch.randn(16, 8, generator=gen)))
+    return out
+
+
+@pytest.mark.parametrize("bug", [None, "dropped"])
+def test_an_expert_idle_in_the_first_microbatch_is_probed_on_all_of_them(bug: str | None) -> None:
+    """A weight with no gradient on the first micro-batch is not "unused": it is probed on the loss summed over
+    every micro-batch, along the sum of its singles (correct: ok) or along a random direction where that sum
+    is zero too (its gradient dropped: lost)."""
+    from preflight_zoo import _drop_linear
+
+    torch.manual_seed(0)
+    model = _LateExpert()
+    if bug:
+        _drop_linear(model.expert)
+    result = preflight(model, microbatch(mse), _late_batches(), loss_fn=mse)
+    weight = next(p for p in result.params if p.name == "expert.weight")
+    probe = next(g for g in result.groups if "expert.weight" in g.names and g.verdict != "split")
+    assert "all micro-batches" in probe.key and probe.zero_gradient == bool(bug), result.table()
+    assert not weight.unused
+    if bug:
+        assert _anomalies(result) == {"expert.weight": ["grad_lost"]}, result.table()
+    else:
+        assert result.ok and weight.fd_scale == pytest.approx(1.0, rel=1e-3), result.table()
