@@ -51,6 +51,9 @@ class ParamResult:
     fd_error: float | None = None  # the estimate's relative error bar
     fd_step: float | None = None  # the relative step whose estimate was accepted
     fd_probe: str | None = None  # the probe (group, or a part of it after bisection) that judged it
+    # a passing probe: the largest factor on this gradient (or its inverse) that the probe could have passed;
+    # None where it has no bound (its share of the probe's change too small or unknown) or was not probed
+    fd_resolution: float | None = None
     finite: bool = True
     tolerance: float = 0.0  # linearity tolerance
     fd_tolerance: float = 0.0  # finite-difference tolerance beyond the error bar (from the compute dtype)
@@ -137,6 +140,17 @@ class PreflightResult:
     @property
     def inconclusive(self) -> list[ParamResult]:
         return [p for p in self.params if p.inconclusive and not p.anomalies]
+
+    def weakly_checked(self, factor: float = 2.0) -> list[ParamResult]:
+        """Passing parameters whose finite-difference probe could have passed a gradient off by `factor` (or
+        its inverse): what an ok does not rule out."""
+        return [
+            p
+            for p in self.params
+            if p.verdict == OK
+            and p.fd_probe is not None
+            and (p.fd_resolution is None or p.fd_resolution >= factor)
+        ]
 
     def verdicts(self) -> dict[str, str]:
         """parameter name -> verdict, for every parameter."""
@@ -243,6 +257,13 @@ class PreflightResult:
             lines.append(
                 f"  {'ok':<30} {count:>4}  ({len(good)} module types)"
                 + (f", {unused} unused" if unused else "")
+            )
+        weak = self.weakly_checked()
+        if weak:
+            lines.append(
+                f"  finite differences cannot rule out x2 (or x0.5) on {len(weak)} passing parameters: each carries "
+                "too small a share of its probe's change (fd_resolution), e.g. "
+                + ", ".join(p.name for p in weak[:3])
             )
         judged = [g for g in self.groups if g.verdict != "not judged"]
         if judged:

@@ -156,15 +156,17 @@ class _Moves:
         """|move| per unit step: the weights' norm (at least sqrt(numel) x 2^-7, for weights initialised to 0)."""
         return max(self.tnorm[i], math.sqrt(t.numel()) * 2.0**-7)
 
-    def rounded_gains(self, groups: list[list[int]]) -> list[list[float]]:
+    def rounded_gains(self, groups: list[list[int]]) -> tuple[list[list[float]], dict[int, list[float]]]:
         """Per group and CANDIDATE_STEPS step: the predicted change <G, move> with each move rounded as the
-        forward will see it, estimated on each weight's subset (scaled up by numel / subset size). One host
-        transfer."""
+        forward will see it, estimated on each weight's subset (scaled up by numel / subset size); and the
+        same per weight (its share of a probe). One host transfer."""
         check = self.check
         steps = torch.tensor(CANDIDATE_STEPS, dtype=torch.float64)
-        totals: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
+        owners: list[int] = []
+        spans: list[tuple[int, int]] = []
         for indexes in groups:
-            total: torch.Tensor | None = None
+            start = len(rows)
             for i in indexes:
                 e = check.entries[i]
                 t = check.adapter.target(e)
@@ -180,17 +182,21 @@ class _Moves:
                     w.dtype
                 )
                 moved = new.to(cdt).float() - w.to(cdt).float()[None, :]
-                part = (moved * gs[None, :]).sum(dim=1, dtype=torch.float64) * (t.numel() / count)
-                total = part if total is None else total + part.to(total.device)
-            totals.append(
-                total if total is not None else torch.zeros(len(CANDIDATE_STEPS), dtype=torch.float64)
-            )
-        if not totals:
-            return []
-        device = totals[0].device
-        values = torch.stack([x.to(device) for x in totals])
-        values = check.dist.sum_stats(values)
-        return cast(list[list[float]], values.cpu().tolist())
+                rows.append((moved * gs[None, :]).sum(dim=1, dtype=torch.float64) * (t.numel() / count))
+                owners.append(i)
+            spans.append((start, len(rows)))
+        if not groups:
+            return [], {}
+        if not rows:
+            return [[0.0] * len(CANDIDATE_STEPS) for _ in groups], {}
+        device = rows[0].device
+        values = check.dist.sum_stats(torch.stack([x.to(device) for x in rows]))
+        host = cast(list[list[float]], values.cpu().tolist())
+        totals = [
+            [sum(col) for col in zip(*host[a:b], strict=True)] if b > a else [0.0] * len(CANDIDATE_STEPS)
+            for a, b in spans
+        ]
+        return totals, dict(zip(owners, host, strict=True))
 
     def along(self, step: float) -> _Along:
         return _Along(self, step)
@@ -310,6 +316,12 @@ class Check:
         self.noise_measured = False
         self.multipliers: dict[str, float] = {}  # group -> its step over the combined probe's step
         self.step_mult: list[float] = []  # per parameter, the same (set by fd())
+        self.weight_gains: dict[
+            int, list[float]
+        ] = {}  # per parameter, its predicted change per candidate step
+        self.resolution: dict[
+            int, float
+        ] = {}  # per parameter, the factor its deciding probe could have hidden
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{leaf_pattern(e.leaf)}"
@@ -689,7 +701,10 @@ class Check:
             return STEP0
         if self.fd_step is not None:
             return self.fd_step
-        gains = moves.rounded_gains([[i for i in idx if i in moves.nonzero_set] for _, idx in parts])
+        gains, per_weight = moves.rounded_gains(
+            [[i for i in idx if i in moves.nonzero_set] for _, idx in parts]
+        )
+        self.weight_gains.update(per_weight)
         self.syncs += 1
         threshold = max(self.noise, self._floor()) * NOISE_SHARE / E_MAX
         chosen: list[int] = []  # per group, an index into CANDIDATE_STEPS (larger step: smaller index)
@@ -854,8 +869,13 @@ class Check:
             if multi:
                 # a deviation within a quarter of the dtype's tolerance is the backward's own rounding (a
                 # correct bf16 GPT deviates by up to 1%), not a parameter hidden by the group
-                return self._set(node, "ok") if dev <= max(err, ltol / 4) + 1e-9 else self._split(node, est)
+                band = max(err, ltol / 4)
+                if dev <= band + 1e-9:
+                    self._resolve(node, cast(float, est.step), band)
+                    return self._set(node, "ok")
+                return self._split(node, est)
             if dev <= ltol + 3 * err:
+                self.resolution[node.indexes[0]] = math.exp(ltol + 3 * err)
                 return self._set(node, "ok")
         elif not est.off:  # never a verdict from an estimate that did not check itself
             probe.reason = est.reason
@@ -868,6 +888,27 @@ class Check:
             return self._split(node, est)
         scale = 1 / r
         return self._set(node, "scaled" if 0 < scale <= 64 else "wrong")
+
+    def _resolve(self, node: _Node, step: float, band: float) -> None:
+        """For each parameter of a passing probe of several: the largest factor on its gradient (or its
+        inverse) the probe could have passed, band / its share of the probe's predicted change at the accepted
+        step (in log terms); none where the share is unknown or the bound exceeds x e^20. A weight carrying 1%
+        of a probe whose band is 2% could be off x2 unseen: the verdict says so instead of a plain ok."""
+        gains: dict[int, float] = {}
+        for i in node.indexes:
+            row = self.weight_gains.get(i)
+            level = -math.log2(step * (self.step_mult[i] if self.step_mult else 1.0)) - 4
+            k = round(level)
+            if row is None or not (0 <= k < len(row)) or abs(level - k) > 1e-6:
+                gains = {}
+                break
+            gains[i] = abs(row[k])
+        total = sum(gains.values())
+        for i in node.indexes:
+            share = gains.get(i, 0.0) / total if total > 0 else 0.0
+            bound = band / share if share > 0 else math.inf
+            if bound <= 20:
+                self.resolution[i] = math.exp(bound)
 
     def _set(self, node: _Node, verdict: str) -> list[tuple[_Node, float]]:
         node.probe.verdict = verdict
@@ -922,6 +963,7 @@ class Check:
                 r.fd_error = probe.error
                 r.fd_step = probe.step
                 r.unused = probe.verdict == "unused"
+                r.fd_resolution = self.resolution.get(by_name[name]) if probe.verdict == "ok" else None
                 r.inconclusive = probe.verdict == "inconclusive"
                 if r.inconclusive:
                     r.notes = [f"finite differences: {probe.reason}"]

@@ -347,6 +347,7 @@ class Injector:
         self.backwards = 0  # every backward since the injector was made
         self.position = 0  # backwards since the last zeroing
         self.fired = 0
+        self.changed = 0  # backwards whose contribution to the target was not zero (what a bug can act on)
         zero = getattr(model, "zero_grad_buffer", None)
         if zero is not None:
 
@@ -391,6 +392,7 @@ class Injector:
                 return out
             base = before if before is not None else torch.zeros_like(after)
             d = after - base
+            self.changed += int(bool(torch.count_nonzero(d)))  # a sync per backward: a test driver
             k = self.kind
             if k == "overwrite":
                 new = d
@@ -413,6 +415,16 @@ class Injector:
 
 
 # -- one case ---------------------------------------------------------------------------------------------------
+def _visible_miss(case: Case, target: Any) -> bool:  # noqa: ANN401 - a ParamResult
+    """A scale bug whose factor the target's passing probe could have passed (its fd_resolution says so)."""
+    kind = case.bug or ""
+    if not kind.startswith("x") or target is None or target.verdict != "ok":
+        return False
+    factor = float(kind[1:])
+    bound = target.fd_resolution
+    return bound is None or bound >= max(factor, 1 / factor)
+
+
 def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     import maingrad.hooks
 
@@ -447,8 +459,11 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         out["status"] = result.status
         out["named"] = named
         out["fired"] = injector.fired if injector else 0
+        out["changed"] = injector.changed if injector else None
         out["result"] = result.to_dict()
         flagged = {n for names in named.values() for n in names}
+        target_result = next((p for p in result.params if short(p.name) == case.target), None)
+        out["target_resolution"] = target_result.fd_resolution if target_result is not None else None
         if case.expect == "pass":
             out["grade"] = "ok" if result.status == "pass" else ("false-alarm" if flagged else result.status)
         else:
@@ -457,6 +472,11 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             right_code = bool(codes & set(case.expect_codes))
             out["grade"] = (
                 "ok" if right_param and right_code
+                # the target's own contribution was zero in every backward (an expert the router never
+                # chose): the injected bug changed nothing, there was nothing to find
+                else "ill-posed" if injector is not None and case.bug != "stale" and not injector.changed and not flagged
+                # missed, but the result says its probe could have passed that factor on the target
+                else "missed-visible" if not flagged and _visible_miss(case, target_result)
                 else "missed" if not flagged
                 else "wrong-blame" if not right_param
                 else "wrong-verdict"

@@ -4,6 +4,7 @@ model's state afterwards equals its state before."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -479,3 +480,27 @@ def test_every_lazy_export_is_typed_for_type_checkers() -> None:
         alias.asname or alias.name for n in guarded.body if isinstance(n, ast.ImportFrom) for alias in n.names
     }
     assert set(maingrad.hooks._EXPORTS) == typed
+
+
+def test_a_passing_probe_says_what_factor_it_could_have_missed() -> None:
+    """fd_resolution is the probe's pass band over the parameter's share of its predicted change: a weight
+    whose share is large is bounded near 1, one whose share is tiny is not bounded by x2 and is listed as
+    weakly checked (an ok that does not rule out a doubled gradient)."""
+    from preflight_zoo import MODELS, microbatch, wrap
+
+    case = MODELS["gpt-bf16"]
+    model = case.make()
+    result = preflight(wrap(case, model), microbatch(case.loss), case.batches(3), loss_fn=case.loss)
+    assert result.status == "pass", result.table()
+    bounds = {p.name: p.fd_resolution for p in result.params}
+    assert all(b is None or b >= 1.0 for b in bounds.values())
+    tight = [n for n, b in bounds.items() if b is not None and b < 1.5]
+    weak = {p.name for p in result.weakly_checked()}
+    assert tight and weak and not (weak & set(tight))
+    assert "cannot rule out x2" in result.table() and f"on {len(weak)} passing parameters" in result.table()
+    # the bound follows the share: the embedding carries more of the change than any layer-norm bias
+    assert bounds["emb.weight"] is not None and all(
+        bounds["emb.weight"] < (b if b is not None else math.inf)
+        for n, b in bounds.items()
+        if n.endswith("ln1.bias")
+    )
