@@ -192,8 +192,10 @@ class _Moves:
         device = rows[0].device
         values = check.dist.sum_stats(torch.stack([x.to(device) for x in rows]))
         host = cast(list[list[float]], values.cpu().tolist())
-        totals = [
-            [sum(col) for col in zip(*host[a:b], strict=True)] if b > a else [0.0] * len(CANDIDATE_STEPS)
+        totals: list[list[float]] = [
+            [float(sum(col)) for col in zip(*host[a:b], strict=True)]
+            if b > a
+            else [0.0] * len(CANDIDATE_STEPS)
             for a, b in spans
         ]
         return totals, dict(zip(owners, host, strict=True))
