@@ -51,8 +51,9 @@ class ParamResult:
     fd_error: float | None = None  # the estimate's relative error bar
     fd_step: float | None = None  # the relative step whose estimate was accepted
     fd_probe: str | None = None  # the probe (group, or a part of it after bisection) that judged it
-    # a passing probe: the largest factor on this gradient (or its inverse) that the probe could have passed;
-    # None where it has no bound (its share of the probe's change too small or unknown) or was not probed
+    # a passing probe: 1 + the relative error of this gradient that the probe could have passed (x1.5 means
+    # anything from x0.5 to x1.5 could hide); None where its share of the probe's change is unknown or zero,
+    # or it was not probed
     fd_resolution: float | None = None
     finite: bool = True
     tolerance: float = 0.0  # linearity tolerance
@@ -61,6 +62,15 @@ class ParamResult:
     notes: list[str] = field(default_factory=list)
     unused: bool = False
     inconclusive: bool = False
+
+    def could_hide(self, factor: float) -> bool:
+        """Whether the finite differences could have passed this gradient off by `factor` (x2, x0.5, ...): not
+        probed, no bound, or a bound that wide. A failing parameter hides nothing: it was caught."""
+        if self.anomalies:
+            return False
+        if self.fd_resolution is None:
+            return True
+        return self.fd_resolution - 1 >= abs(factor - 1)
 
     @property
     def ok(self) -> bool:
@@ -142,15 +152,9 @@ class PreflightResult:
         return [p for p in self.params if p.inconclusive and not p.anomalies]
 
     def weakly_checked(self, factor: float = 2.0) -> list[ParamResult]:
-        """Passing parameters whose finite-difference probe could have passed a gradient off by `factor` (or
-        its inverse): what an ok does not rule out."""
-        return [
-            p
-            for p in self.params
-            if p.verdict == OK
-            and p.fd_probe is not None
-            and (p.fd_resolution is None or p.fd_resolution >= factor)
-        ]
+        """Passing parameters whose finite-difference probe could have passed a gradient off by `factor`: what
+        their ok does not rule out."""
+        return [p for p in self.params if p.verdict == OK and p.fd_probe is not None and p.could_hide(factor)]
 
     def verdicts(self) -> dict[str, str]:
         """parameter name -> verdict, for every parameter."""
@@ -261,8 +265,8 @@ class PreflightResult:
         weak = self.weakly_checked()
         if weak:
             lines.append(
-                f"  finite differences cannot rule out x2 (or x0.5) on {len(weak)} passing parameters: each carries "
-                "too small a share of its probe's change (fd_resolution), e.g. "
+                f"  finite differences cannot rule out a x2 gradient on {len(weak)} of the passing parameters: each "
+                "carries too small a share of its probe's change (fd_resolution), e.g. "
                 + ", ".join(p.name for p in weak[:3])
             )
         judged = [g for g in self.groups if g.verdict != "not judged"]

@@ -877,7 +877,7 @@ class Check:
                     return self._set(node, "ok")
                 return self._split(node, est)
             if dev <= ltol + 3 * err:
-                self.resolution[node.indexes[0]] = math.exp(ltol + 3 * err)
+                self.resolution[node.indexes[0]] = 1 + ltol + 3 * err
                 return self._set(node, "ok")
         elif not est.off:  # never a verdict from an estimate that did not check itself
             probe.reason = est.reason
@@ -892,25 +892,25 @@ class Check:
         return self._set(node, "scaled" if 0 < scale <= 64 else "wrong")
 
     def _resolve(self, node: _Node, step: float, band: float) -> None:
-        """For each parameter of a passing probe of several: the largest factor on its gradient (or its
-        inverse) the probe could have passed, band / its share of the probe's predicted change at the accepted
-        step (in log terms); none where the share is unknown or the bound exceeds x e^20. A weight carrying 1%
-        of a probe whose band is 2% could be off x2 unseen: the verdict says so instead of a plain ok."""
+        """For each parameter of a passing probe of several: the largest factor on its gradient the probe could
+        have passed. A parameter whose reported gradient is f x the true one, carrying a share s of the probe's
+        predicted change, moves the probe's log-ratio by about (f - 1) s; the probe passed within `band`, so
+        |f - 1| <= band / s could hide: 1 + band / s (s estimated on the subsets at the accepted step). None
+        where the share is unknown. A weight carrying 1% of a probe whose band is 2% could be off x3 unseen:
+        the verdict says so instead of a plain ok."""
         gains: dict[int, float] = {}
         for i in node.indexes:
             row = self.weight_gains.get(i)
             level = -math.log2(step * (self.step_mult[i] if self.step_mult else 1.0)) - 4
             k = round(level)
             if row is None or not (0 <= k < len(row)) or abs(level - k) > 1e-6:
-                gains = {}
-                break
+                return
             gains[i] = abs(row[k])
         total = sum(gains.values())
         for i in node.indexes:
-            share = gains.get(i, 0.0) / total if total > 0 else 0.0
-            bound = band / share if share > 0 else math.inf
-            if bound <= 20:
-                self.resolution[i] = math.exp(bound)
+            share = gains[i] / total if total > 0 else 0.0
+            if share > 0:
+                self.resolution[i] = 1 + band / share
 
     def _set(self, node: _Node, verdict: str) -> list[tuple[_Node, float]]:
         node.probe.verdict = verdict

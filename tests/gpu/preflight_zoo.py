@@ -420,9 +420,7 @@ def _visible_miss(case: Case, target: Any) -> bool:  # noqa: ANN401 - a ParamRes
     kind = case.bug or ""
     if not kind.startswith("x") or target is None or target.verdict != "ok":
         return False
-    factor = float(kind[1:])
-    bound = target.fd_resolution
-    return bound is None or bound >= max(factor, 1 / factor)
+    return bool(target.could_hide(float(kind[1:])))
 
 
 def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
