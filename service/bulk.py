@@ -98,15 +98,33 @@ def insert_columns(conn: Connection, stmt: Insert, columns: dict[str, list[Any]]
             data += [[value] * count for value in trailing]
         conn.exec_driver_sql(sql, list(zip(*data, strict=True)))  # a list of tuples: executemany
         return
-    # PostgreSQL: one statement per page whose parameters are one array per column (`unnest` turns them back
-    # into rows, in order): the text stays short, so psycopg parses it once and caches it.
     head, group, tail = _split_values(sql, len(names))
-    # Binary parameters (`%b`): psycopg's text format escapes each array element through a regular expression.
-    sql = f"{head}SELECT * FROM unnest({_as_arrays(group)}){tail}".replace("%s", "%b")
     cursor: Any = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]  # in a transaction
     try:
+        if not tail and not trailing:
+            # A plain INSERT: COPY, whose rows psycopg formats in C (a parameter array is dumped element by
+            # element in Python). The same columns, values and defaults; the server reads each value as its
+            # column's type, as it does the INSERT's parameters.
+            with cursor.copy(_COPY_HEAD.sub("COPY ", head, count=1) + "FROM STDIN") as copy:
+                for row in zip(*data, strict=True):
+                    copy.write_row(row)
+            return
+        # Otherwise one statement per page whose parameters are one array per column (`unnest` turns them back
+        # into rows, in order): the text stays short, so psycopg parses it once and caches it. A column with one
+        # value for every row (the same object: an upload's commit, time, project) is sent once, as a one-item
+        # array of the same type, instead of once per row.
+        same = [all(v is column[0] for v in column) for column in data]
+        same[0] = False  # one array at least: it says how many rows
+        arrays = [p + "[]" if "::" in p else p for p in group.split(", ")]  # `%s::INTEGER` -> `%s::INTEGER[]`
+        rows = [i for i, one in enumerate(same) if not one]
+        picks = ", ".join(f"({a})[1]" if same[i] else f"u.c{i}" for i, a in enumerate(arrays))
+        unnested = ", ".join(arrays[i] for i in rows)
+        aliases = ", ".join(f"c{i}" for i in rows)
+        # Binary parameters (`%b`): psycopg's text format escapes each array element through a regular expression.
+        sql = f"{head}SELECT {picks} FROM unnest({unnested}) AS u({aliases}){tail}".replace("%s", "%b")
+        once: list[Any] = [column[:1] for column, one in zip(data, same, strict=True) if one]
         for start in range(0, count, PG_PAGE_ROWS):
-            params: list[Any] = [column[start : start + PG_PAGE_ROWS] for column in data]
+            params = once + [data[i][start : start + PG_PAGE_ROWS] for i in rows]
             params.extend(trailing)
             cursor.execute(sql, params)
     finally:
@@ -124,6 +142,7 @@ def _processed(proc: Any, values: list[Any]) -> list[Any]:
     return out
 
 
+_COPY_HEAD = re.compile(r"^INSERT INTO ")
 _VALUES = re.compile(r"\) (VALUES \(%s[^()]*\))")  # each parameter is `%s` or `%s::TYPE`
 
 
@@ -133,8 +152,3 @@ def _split_values(sql: str, width: int) -> tuple[str, str, str]:
     if match is None or match.group(1).count("%s") != width:
         raise RuntimeError(f"unexpected INSERT text: {sql[:200]}")
     return sql[: match.start(1)], match.group(1)[len("VALUES (") : -1], sql[match.end(1) :]
-
-
-def _as_arrays(group: str) -> str:
-    """`%s::INTEGER, %s` -> `%s::INTEGER[], %s`: each row parameter becomes an array of the column's type."""
-    return ", ".join(p + "[]" if "::" in p else p for p in group.split(", "))
