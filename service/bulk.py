@@ -16,12 +16,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import JSON, Connection
 from sqlalchemy.sql.dml import Insert
 
 PG_PAGE_ROWS = 2_000
 
-_compiled: dict[tuple[Any, ...], tuple[str, list[str], list[Any], list[Any]] | None] = {}
+_Prepared = tuple[str, list[str], list[Any], list[Any], list[Any]]
+_compiled: dict[tuple[Any, ...], _Prepared | None] = {}
 
 
 def _format_dialect(dialect: Any) -> Any:
@@ -33,17 +34,16 @@ def _format_dialect(dialect: Any) -> Any:
     return cached
 
 
-def _prepare(
-    conn: Connection, stmt: Insert, key: Any, columns: Sequence[str]
-) -> tuple[str, list[str], list[Any], list[Any]] | None:
-    """(SQL, the row's bind names in order, their processors, the statement's constant trailing values)."""
+def _prepare(conn: Connection, stmt: Insert, key: Any, columns: Sequence[str]) -> _Prepared | None:
+    """(SQL, the row's bind names in order, their processors, the statement's constant trailing values, and per
+    column the JSON serializer its processor calls for an object, where the column is JSON)."""
     dialect = conn.dialect
     cache_key = (key, tuple(columns), dialect.name, dialect.paramstyle)
     if cache_key in _compiled:
         return _compiled[cache_key]
     target = dialect if dialect.paramstyle == "qmark" else _format_dialect(dialect)
     compiled: Any = stmt.compile(dialect=target, column_keys=list(columns), for_executemany=True)
-    prepared: tuple[str, list[str], list[Any], list[Any]] | None = None
+    prepared: _Prepared | None = None
     names: list[str] = list(compiled.positiontup or ())
     row_names = names[: len(columns)]  # the VALUES clause: the table's column order
     if (
@@ -55,6 +55,9 @@ def _prepare(
     ):
         table: Any = stmt.table
         procs = [table.c[c].type.dialect_impl(dialect).bind_processor(dialect) for c in row_names]
+        objects = [
+            _object_text(dialect, table.c[c].type, proc) for c, proc in zip(row_names, procs, strict=True)
+        ]
         params = compiled.construct_params({c: None for c in columns})
         trailing: list[Any] = []
         for name in names[len(columns) :]:
@@ -63,7 +66,7 @@ def _prepare(
                 break
             trailing.append(value)
         else:
-            prepared = (compiled.string, row_names, procs, trailing)
+            prepared = (compiled.string, row_names, procs, trailing, objects)
     _compiled[cache_key] = prepared
     return prepared
 
@@ -88,20 +91,25 @@ def insert_columns(conn: Connection, stmt: Insert, columns: dict[str, list[Any]]
             stmt, [dict(zip(names, values, strict=True)) for values in zip(*columns.values(), strict=True)]
         )
         return
-    sql, names, procs, trailing = prepared
+    sql, names, procs, trailing, objects = prepared
+    head, group, tail = ("", "", "") if conn.dialect.paramstyle == "qmark" else _split_values(sql, len(names))
+    # SQLite's executemany and PostgreSQL's COPY take a JSON object as its text: the serializer is called
+    # directly (SQLAlchemy's processor calls the same one, and on PostgreSQL wraps the object for psycopg to).
+    as_text = conn.dialect.paramstyle == "qmark" or not (tail or trailing)
     data = [columns[n] for n in names]
     for i, proc in enumerate(procs):
-        if proc is not None:
+        if as_text and objects[i] is not None:
+            data[i] = _serialized(objects[i], proc, data[i])
+        elif proc is not None:
             data[i] = _processed(proc, data[i])
     if conn.dialect.paramstyle == "qmark":
         if trailing:
             data += [[value] * count for value in trailing]
         conn.exec_driver_sql(sql, list(zip(*data, strict=True)))  # a list of tuples: executemany
         return
-    head, group, tail = _split_values(sql, len(names))
     cursor: Any = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]  # in a transaction
     try:
-        if not tail and not trailing:
+        if as_text:
             # A plain INSERT: COPY, whose rows psycopg formats in C (a parameter array is dumped element by
             # element in Python). The same columns, values and defaults; the server reads each value as its
             # column's type, as it does the INSERT's parameters.
@@ -129,6 +137,28 @@ def insert_columns(conn: Connection, stmt: Insert, columns: dict[str, list[Any]]
             cursor.execute(sql, params)
     finally:
         cursor.close()
+
+
+def _object_text(dialect: Any, column_type: Any, proc: Any) -> Any:
+    """The function that gives a JSON column's object the text SQLAlchemy would send for it, or None."""
+    serializer = getattr(dialect, "_json_serializer", None)
+    if serializer is None or proc is None or not isinstance(column_type, JSON):
+        return None
+    probe: dict[str, Any] = {"k": [1, "\u00e9", None]}
+    sent = proc(probe)
+    if sent == serializer(probe):  # SQLite: the processor returns the serializer's text
+        return serializer
+    # psycopg: the processor wraps the object, and psycopg dumps it with the engine's serializer (SQLAlchemy
+    # registers it on every connection)
+    if dialect.driver == "psycopg" and getattr(sent, "obj", None) is probe:
+        return serializer
+    return None
+
+
+def _serialized(serializer: Any, proc: Any, values: list[Any]) -> list[Any]:
+    """A JSON column's values: an object's text from the serializer; anything else (None, which SQLAlchemy
+    may store as JSON null or as NULL) through the column's processor."""
+    return [serializer(v) if type(v) is dict else _processed(proc, [v])[0] for v in values]
 
 
 def _processed(proc: Any, values: list[Any]) -> list[Any]:
