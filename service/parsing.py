@@ -499,7 +499,8 @@ def _sarif_result(
             rule_id = rule.get("id")
     if not isinstance(rule_id, str) or not rule_id:
         rule_id = "(none)"
-    rule = rule or rules_by_id.get(rule_id) or rules_by_id.get(rule_id.split("/")[0])
+    if not rule:
+        rule = (rules_by_id.get(rule_id) or rules_by_id.get(rule_id.split("/")[0])) if rules_by_id else None
     raw_message = get("message")
     if not isinstance(raw_message, dict):
         raise _invalid("invalid_sarif", f"{_where(run_index, result_index)}.message must be an object")
@@ -533,13 +534,13 @@ def _sarif_result(
                 path = known
             found = phys.get("region")
             region = found if isinstance(found, dict) else {}
-            for reg in (region, phys.get("contextRegion")):
-                if isinstance(reg, dict) and isinstance(reg.get("snippet"), dict):
-                    text = reg["snippet"].get("text")
-                    if isinstance(text, str) and text:
-                        snippet = text
-                        break
-    start_line = _int(region.get("startLine"))
+            snippet = _snippet(region) or _snippet(phys.get("contextRegion"))
+    start_line = region.get("startLine")
+    if type(start_line) is not int:  # _int, inline: four calls per result
+        start_line = None
+    start_column = region.get("startColumn")
+    end_line = region.get("endLine")
+    end_column = region.get("endColumn")
     suppressions = get("suppressions")
     if suppressions is not None and not isinstance(suppressions, list):
         raise _invalid("invalid_sarif", f"{_where(run_index, result_index)}.suppressions must be an array")
@@ -554,9 +555,9 @@ def _sarif_result(
         level,
         path,
         start_line,
-        _int(region.get("startColumn")),
-        _int(region.get("endLine")) or start_line,
-        _int(region.get("endColumn")),
+        start_column if type(start_column) is int else None,
+        (end_line if type(end_line) is int else None) or start_line,
+        end_column if type(end_column) is int else None,
         message,
         snippet,
         suppressed,
@@ -565,6 +566,13 @@ def _sarif_result(
         result,
         run_index,
     )
+
+
+def _snippet(region: Any) -> str:
+    """A region's snippet text, or "" (a region that is no object, or has no text)."""
+    snippet = region.get("snippet") if isinstance(region, dict) else None
+    text = snippet.get("text") if isinstance(snippet, dict) else None
+    return text if isinstance(text, str) else ""
 
 
 def _where(run_index: int, result_index: int) -> str:
@@ -592,20 +600,24 @@ def _pairs(value: Any) -> list[tuple[str, str]]:
 def _material(result: dict[str, Any], ctx: str | None, message: str) -> str:
     """Identity beyond (category, rule, path): the tool's fingerprints when it has them, else the code."""
     given = result.get("partialFingerprints")
-    if not isinstance(given, dict):
+    if isinstance(given, dict) and given:
+        # The analyzer's key (or, for one release, its legacy spelling): the same material as the analyzer's
+        # JSON, so JSON and SARIF uploads of the same findings match.
+        ours = sarif_contract.maingrad_fingerprint(given)
+        if ours:
+            return f"{MAINGRAD_FP_KEY}:{ours}"
+    else:
         given = None
-    # The analyzer's key (or, for one release, its legacy spelling): the same material as the analyzer's JSON,
-    # so JSON and SARIF uploads of the same findings match.
-    ours = sarif_contract.maingrad_fingerprint(given)
-    if ours:
-        return f"{MAINGRAD_FP_KEY}:{ours}"
-    full = _pairs(result.get("fingerprints"))
+    full = result.get("fingerprints")
     if full:
-        return "fp:" + "|".join(f"{k}={v}" for k, v in full)
-    legacy = sarif_contract.LEGACY_FINGERPRINT_KEYS
-    partial = [(k, v) for k, v in _pairs(given) if k != "maingrad/alert" and k not in legacy]
-    if partial:
-        return "pfp:" + "|".join(f"{k}={v}" for k, v in partial)
+        pairs = _pairs(full)
+        if pairs:
+            return "fp:" + "|".join([f"{k}={v}" for k, v in pairs])
+    if given:
+        legacy = sarif_contract.LEGACY_FINGERPRINT_KEYS
+        partial = [f"{k}={v}" for k, v in _pairs(given) if k != "maingrad/alert" and k not in legacy]
+        if partial:
+            return "pfp:" + "|".join(partial)
     if ctx:
         return f"context:{ctx}"
     return f"message:{normalize_context(message)}"
