@@ -4,9 +4,10 @@
 its type's bind processor and, on PostgreSQL, hands the rows to psycopg's pipelined executemany, one protocol
 round of messages per row: two thirds of a 25,000-result upload's write CPU. Here the statement is compiled once
 per (table, columns, dialect), the values are run through the same bind processors (one call per distinct
-datetime), and the rows go to the driver as tuples: SQLite gets one `executemany` (its loop is C), PostgreSQL one
-multi-row `VALUES` statement per page of rows. The SQL text, the columns and the stored values are what
-SQLAlchemy's own execution sends; a statement whose columns need Python-side defaults (none of ours, since every
+datetime; a JSON object straight through the engine's serializer), and the rows go to the driver as tuples:
+SQLite gets one `executemany` (its loop is C); on PostgreSQL a plain INSERT becomes a `COPY` and an upsert one
+`INSERT ... SELECT ... FROM unnest(<arrays>)` per page of rows. The columns and the stored values are what
+SQLAlchemy's own execution stores; a statement whose columns need Python-side defaults (none of ours, since every
 row names every default column) goes through SQLAlchemy unchanged.
 """
 
