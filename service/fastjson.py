@@ -44,6 +44,9 @@ try:
     def dumps(value: Any) -> bytes:
         return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
 
+    def dumps_text(value: Any) -> str:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode("utf-8")
+
 except ImportError:  # pragma: no cover - exercised only without the extra
     DecodeError = ValueError
 
@@ -57,3 +60,6 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
     def dumps(value: Any) -> bytes:
         return json.dumps(value, separators=(",", ":"), default=str).encode()
+
+    def dumps_text(value: Any) -> str:
+        return dumps(value).decode("utf-8")

@@ -27,7 +27,7 @@ SARIF_SCHEMA = sarif_contract.SARIF_SCHEMA
 MAINGRAD_FP_KEY = sarif_contract.FINGERPRINT_KEY
 
 
-@dataclass
+@dataclass(slots=True)
 class NormFinding:
     rule: str
     level: str
@@ -367,7 +367,7 @@ def _list(value: Any, where: str) -> list[Any]:
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if type(value) is int else None  # JSON: an int, or a bool (which is not one here)
 
 
 def _text(message: Any, rule: dict[str, Any] | None, max_chars: int, where: str) -> str:
@@ -449,12 +449,10 @@ def parse_sarif(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
             if isinstance(run.get("originalUriBaseIds"), dict)
             else {}
         )
+        paths: dict[str, str] = {}  # uri -> normalized path, for this run's bases (reports repeat paths)
         for result_index, raw in enumerate(results):
-            finding = _sarif_result(
-                raw, f"/runs/{run_index}/results/{result_index}", rules, rules_by_id, bases, limits
-            )
+            finding = _sarif_result(raw, run_index, result_index, rules, rules_by_id, bases, paths, limits)
             if finding is not None:
-                finding.run_index = run_index
                 findings.append(finding)
                 stored_chars += len(finding.message) + len(finding.snippet)
                 if stored_chars > limits.max_analysis_text_chars:
@@ -473,20 +471,27 @@ def parse_sarif(doc: dict[str, Any], limits: Limits) -> NormAnalysis:
 
 def _sarif_result(
     raw: Any,
-    where: str,
+    run_index: int,
+    result_index: int,
     rules: list[dict[str, Any]],
     rules_by_id: dict[str, dict[str, Any]],
     bases: dict[str, str],
+    paths: dict[str, str],
     limits: Limits,
 ) -> NormFinding | None:
-    result = _obj(raw, where)
-    if result.get("kind") in ("pass", "notApplicable"):
+    """One result, normalized. The hot loop of a large upload (25,000 calls): error locations are spelled out
+    only when there is an error, and a run's paths are normalized once per distinct URI (`paths`)."""
+    if not isinstance(raw, dict):
+        raise _invalid("invalid_sarif", f"{_where(run_index, result_index)} must be an object")
+    result: dict[str, Any] = raw
+    get = result.get
+    if get("kind") in ("pass", "notApplicable"):
         return None
-    rule_id = result.get("ruleId")
+    rule_id = get("ruleId")
     if not isinstance(rule_id, str):
-        rule_ref = result.get("rule")
+        rule_ref = get("rule")
         rule_id = rule_ref.get("id") if isinstance(rule_ref, dict) else None
-    rule_index = _int(result.get("ruleIndex"))
+    rule_index = _int(get("ruleIndex"))
     rule = None
     if rule_index is not None and 0 <= rule_index < len(rules):
         rule = rules[rule_index]
@@ -494,52 +499,84 @@ def _sarif_result(
             rule_id = rule.get("id")
     if not isinstance(rule_id, str) or not rule_id:
         rule_id = "(none)"
-    rule = rule or rules_by_id.get(rule_id) or rules_by_id.get(rule_id.split("/")[0])
-    if not isinstance(result.get("message"), dict):
-        raise _invalid("invalid_sarif", f"{where}.message must be an object")
-    message = _text(result["message"], rule, limits.fields.max_message_chars, where)
-    level = result.get("level")
+    if not rule:
+        rule = (rules_by_id.get(rule_id) or rules_by_id.get(rule_id.split("/")[0])) if rules_by_id else None
+    raw_message = get("message")
+    if not isinstance(raw_message, dict):
+        raise _invalid("invalid_sarif", f"{_where(run_index, result_index)}.message must be an object")
+    message = raw_message.get("text")
+    if not isinstance(message, str):
+        message = _text(raw_message, rule, limits.fields.max_message_chars, _where(run_index, result_index))
+    level = get("level")
     if level not in LEVEL_RANK:
         default = (rule or {}).get("defaultConfiguration") or {}
         level = default.get("level") if isinstance(default, dict) else None
         level = level if level in LEVEL_RANK else "warning"
     path, snippet = "", ""
     region: dict[str, Any] = {}
-    locations = _list(result.get("locations"), f"{where}.locations")
+    locations = get("locations")
+    if locations is not None and not isinstance(locations, list):
+        raise _invalid("invalid_sarif", f"{_where(run_index, result_index)}.locations must be an array")
     if locations:
-        loc = _obj(locations[0], f"{where}.locations[0]")
+        loc = locations[0]
+        if not isinstance(loc, dict):
+            raise _invalid(
+                "invalid_sarif", f"{_where(run_index, result_index)}.locations[0] must be an object"
+            )
         phys = loc.get("physicalLocation") or {}
         if isinstance(phys, dict):
             art = phys.get("artifactLocation") or {}
-            if isinstance(art, dict) and isinstance(art.get("uri"), str):
-                path = normalize_path(art["uri"], bases)
+            uri = art.get("uri") if isinstance(art, dict) else None
+            if isinstance(uri, str):
+                known = paths.get(uri)
+                if known is None:
+                    known = paths[uri] = normalize_path(uri, bases)
+                path = known
             found = phys.get("region")
             region = found if isinstance(found, dict) else {}
-            for reg in (region, phys.get("contextRegion")):
-                if isinstance(reg, dict) and isinstance(reg.get("snippet"), dict):
-                    text = reg["snippet"].get("text")
-                    if isinstance(text, str) and text:
-                        snippet = text
-                        break
-    start_line = _int(region.get("startLine"))
-    suppressions = _list(result.get("suppressions"), f"{where}.suppressions")
-    suppressed = any(isinstance(s, dict) and s.get("status", "accepted") == "accepted" for s in suppressions)
-    ctx = context_hash(snippet)
-    return NormFinding(
-        rule=rule_id[:255],
-        level=level,
-        path=path,
-        start_line=start_line,
-        start_column=_int(region.get("startColumn")),
-        end_line=_int(region.get("endLine")) or start_line,
-        end_column=_int(region.get("endColumn")),
-        message=message,
-        snippet=snippet,
-        suppressed=suppressed,
-        material=_material(result, ctx, message),
-        context_hash=ctx,
-        sarif=result,
+            snippet = _snippet(region) or _snippet(phys.get("contextRegion"))
+    start_line = region.get("startLine")
+    if type(start_line) is not int:  # _int, inline: four calls per result
+        start_line = None
+    start_column = region.get("startColumn")
+    end_line = region.get("endLine")
+    end_column = region.get("endColumn")
+    suppressions = get("suppressions")
+    if suppressions is not None and not isinstance(suppressions, list):
+        raise _invalid("invalid_sarif", f"{_where(run_index, result_index)}.suppressions must be an array")
+    suppressed = (
+        any(isinstance(s, dict) and s.get("status", "accepted") == "accepted" for s in suppressions)
+        if suppressions
+        else False
     )
+    ctx = context_hash(snippet) if snippet else None
+    return NormFinding(
+        rule_id[:255],
+        level,
+        path,
+        start_line,
+        start_column if type(start_column) is int else None,
+        (end_line if type(end_line) is int else None) or start_line,
+        end_column if type(end_column) is int else None,
+        message,
+        snippet,
+        suppressed,
+        _material(result, ctx, message),
+        ctx,
+        result,
+        run_index,
+    )
+
+
+def _snippet(region: Any) -> str:
+    """A region's snippet text, or "" (a region that is no object, or has no text)."""
+    snippet = region.get("snippet") if isinstance(region, dict) else None
+    text = snippet.get("text") if isinstance(snippet, dict) else None
+    return text if isinstance(text, str) else ""
+
+
+def _where(run_index: int, result_index: int) -> str:
+    return f"/runs/{run_index}/results/{result_index}"
 
 
 def _text_budget(limits: Limits) -> ProblemError:
@@ -552,26 +589,35 @@ def _text_budget(limits: Limits) -> ProblemError:
 
 
 def _pairs(value: Any) -> list[tuple[str, str]]:
-    if not isinstance(value, dict):
+    if not isinstance(value, dict) or not value:
         return []
+    if len(value) == 1:  # the common case (e.g. one primaryLocationLineHash): nothing to sort
+        ((k, v),) = value.items()
+        return [(str(k), str(v))] if isinstance(v, (str, int)) else []
     return sorted((str(k), str(v)) for k, v in value.items() if isinstance(v, (str, int)))
 
 
 def _material(result: dict[str, Any], ctx: str | None, message: str) -> str:
     """Identity beyond (category, rule, path): the tool's fingerprints when it has them, else the code."""
     given = result.get("partialFingerprints")
-    # The analyzer's key (or, for one release, its legacy spelling): the same material as the analyzer's JSON,
-    # so JSON and SARIF uploads of the same findings match.
-    ours = sarif_contract.maingrad_fingerprint(given if isinstance(given, dict) else None)
-    if ours:
-        return f"{MAINGRAD_FP_KEY}:{ours}"
-    legacy = sarif_contract.LEGACY_FINGERPRINT_KEYS
-    partial = [(k, v) for k, v in _pairs(given) if k != "maingrad/alert" and k not in legacy]
-    full = _pairs(result.get("fingerprints"))
+    if isinstance(given, dict) and given:
+        # The analyzer's key (or, for one release, its legacy spelling): the same material as the analyzer's
+        # JSON, so JSON and SARIF uploads of the same findings match.
+        ours = sarif_contract.maingrad_fingerprint(given)
+        if ours:
+            return f"{MAINGRAD_FP_KEY}:{ours}"
+    else:
+        given = None
+    full = result.get("fingerprints")
     if full:
-        return "fp:" + "|".join(f"{k}={v}" for k, v in full)
-    if partial:
-        return "pfp:" + "|".join(f"{k}={v}" for k, v in partial)
+        pairs = _pairs(full)
+        if pairs:
+            return "fp:" + "|".join([f"{k}={v}" for k, v in pairs])
+    if given:
+        legacy = sarif_contract.LEGACY_FINGERPRINT_KEYS
+        partial = [f"{k}={v}" for k, v in _pairs(given) if k != "maingrad/alert" and k not in legacy]
+        if partial:
+            return "pfp:" + "|".join(partial)
     if ctx:
         return f"context:{ctx}"
     return f"message:{normalize_context(message)}"

@@ -123,8 +123,8 @@ def _store_report(
     body: bytes | bytearray,
     idempotency_key: str | None = None,
 ) -> UploadOutcome:
-    content_sha = hashlib.sha256(body).hexdigest()
     digest = hashlib.sha256(body)  # the body, NUL, commit, NUL, branch, NUL, category (no copy of the body)
+    content_sha = digest.hexdigest()  # the body's own: hexdigest() leaves the hash open to more updates
     for part in (commit_sha, branch or "", category or ""):
         digest.update(b"\0" + part.encode())
     request_sha = digest.hexdigest()

@@ -149,3 +149,77 @@ def _upsert_statement(session: Any) -> Any:
     finally:
         reports.insert_columns = real
     return captured[0]
+
+
+def test_constant_columns_and_identical_rows_match_sqlalchemy(fresh_database_url: str) -> None:
+    """Columns with one value for every row (sent once on PostgreSQL), columns of NULLs only, and rows that are
+    identical in every column (each must be stored, however many there are) store what SQLAlchemy stores."""
+    settings = settings_for(fresh_database_url)
+    with open_database(settings) as db:
+        ours = ensure_project(db, "ours")
+        theirs = ensure_project(db, "theirs")
+        with db.writing() as session:
+            a = _analysis(session, ours.id, "a" * 40)
+            b = _analysis(session, theirs.id, "b" * 40)
+        same_row = _finding_rows(0, 1)[0]
+        n = 2_100  # more than one PostgreSQL page
+
+        def findings(analysis_id: int) -> list[dict[str, Any]]:
+            return [{**same_row, "analysis_id": analysis_id} for _ in range(n)]
+
+        when = dt.datetime(2026, 5, 6, 7, 8, 9, 123456, tzinfo=dt.timezone.utc)
+        branch = None
+        message = "one message for all"
+
+        def alerts(project_id: int, analysis_id: int) -> list[dict[str, Any]]:
+            return [
+                {
+                    "project_id": project_id,
+                    "fingerprint": f"{i:064x}",
+                    "category": "c",
+                    "rule": "R",
+                    "level": "note",
+                    "severity_rank": 0,
+                    "path": "p.py",
+                    "message": message,
+                    "state": "open",
+                    "first_seen_commit": "a" * 40,
+                    "first_seen_at": when,
+                    "last_seen_commit": "a" * 40,
+                    "last_seen_branch": branch,
+                    "last_seen_at": when,
+                    "last_seen_analysis_id": analysis_id,
+                }
+                for i in range(n)
+            ]
+
+        with db.writing() as session:
+            insert_rows(session.connection(), _FINDINGS_INSERT, findings(a), "findings")
+            session.connection().execute(_FINDINGS_INSERT, findings(b))
+            _upsert_alerts(session, alerts(ours.id, a))
+            session.connection().execute(_upsert_statement(session), alerts(theirs.id, b))
+        with db.writing() as session:  # again: every row an update
+            _upsert_alerts(session, alerts(ours.id, a))
+            session.connection().execute(_upsert_statement(session), alerts(theirs.id, b))
+        with db.reading() as session:
+            got = {}
+            for analysis_id in (a, b):
+                rows = session.execute(
+                    select(Finding).where(Finding.analysis_id == analysis_id).order_by(Finding.id)
+                ).scalars()
+                got[analysis_id] = [_columns(r, Finding.__table__, {"id", "analysis_id"}) for r in rows]
+            assert len(got[a]) == n
+            assert got[a] == got[b]
+            stored = {}
+            for pid in (ours.id, theirs.id):
+                rows = session.execute(
+                    select(Alert).where(Alert.project_id == pid).order_by(Alert.id)
+                ).scalars()
+                stored[pid] = [
+                    _columns(r, Alert.__table__, {"id", "project_id", "last_seen_analysis_id"}) for r in rows
+                ]
+            assert len(stored[ours.id]) == n
+            assert stored[ours.id] == stored[theirs.id]
+            assert {(r["last_seen_branch"], r["message"], r["first_seen_at"]) for r in stored[ours.id]} == {
+                (None, message, when)
+            }
