@@ -59,6 +59,7 @@ from maingrad.hooks.preflight.measure import (
     E_MAX,
     STEP0,
     STEP_MAX,
+    SUBSET,
     Z_MOVE,
     ZERO_STEP0,
     Dist,
@@ -99,6 +100,8 @@ MIN_DISTINCT = 3
 FP8_FD_RTOL = 0.25  # 4 units of e4m3's round-off: an FP8 weight's factor within 1.25 is not judged
 NOISE_SHARE = 4  # the first pair's smaller step: noise at most E_MAX / NOISE_SHARE of the predicted change
 CANDIDATE_STEPS = [2.0**-k for k in range(4, 21)]  # where the first pair is chosen (largest first)
+_TORCH: Any = torch  # torch's multi-tensor `_foreach_*` ops are not in its exported names
+SMALL_MOVE = 1 << 16  # weights up to this many elements move and are predicted with multi-tensor launches
 UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
 
 
@@ -161,44 +164,60 @@ class _Moves:
         forward will see it, estimated on each weight's subset (scaled up by numel / subset size); and the
         same per weight (its share of a probe). One host transfer."""
         check = self.check
-        steps = torch.tensor(CANDIDATE_STEPS, dtype=torch.float64)
-        rows: list[torch.Tensor] = []
-        owners: list[int] = []
-        spans: list[tuple[int, int]] = []
-        for indexes in groups:
-            start = len(rows)
-            for i in indexes:
-                e = check.entries[i]
-                t = check.adapter.target(e)
-                g = cast(torch.Tensor, self.directions[i])
-                off, stride, count = check.subsets.pick(i, t.numel())
-                if count <= 0:
-                    continue
-                w = t.detach().reshape(-1)[off::stride][:count]
-                gs = g.reshape(-1)[off::stride][:count].float()
-                cdt = check.adapter.compute_dtype(e)
-                st = steps.to(device=w.device, dtype=torch.float32)[:, None]
-                new = (w.float()[None, :] + st * (gs[None, :] * (self.size(i, t) / self.gnorm[i]))).to(
-                    w.dtype
-                )
-                moved = new.to(cdt).float() - w.to(cdt).float()[None, :]
-                rows.append((moved * gs[None, :]).sum(dim=1, dtype=torch.float64) * (t.numel() / count))
-                owners.append(i)
-            spans.append((start, len(rows)))
         if not groups:
             return [], {}
-        if not rows:
-            return [[0.0] * len(CANDIDATE_STEPS) for _ in groups], {}
-        device = rows[0].device
-        values = check.dist.sum_stats(torch.stack([x.to(device) for x in rows]))
-        host = cast(list[list[float]], values.cpu().tolist())
-        totals: list[list[float]] = [
-            [float(sum(col)) for col in zip(*host[a:b], strict=True)]
-            if b > a
-            else [0.0] * len(CANDIDATE_STEPS)
-            for a, b in spans
+        # the subsets of every weight, as rows of one matrix per (device, weight dtype, compute dtype): a few
+        # launches per candidate step instead of a dozen per weight
+        buckets: dict[
+            tuple[torch.device, torch.dtype, torch.dtype], list[tuple[int, torch.Tensor, torch.Tensor]]
         ]
-        return totals, dict(zip(owners, host, strict=True))
+        buckets = {}
+        factors: dict[int, tuple[float, float]] = {}
+        for i in dict.fromkeys(i for indexes in groups for i in indexes):
+            e = check.entries[i]
+            t = check.adapter.target(e)
+            off, stride, count = check.subsets.pick(i, t.numel())
+            if count <= 0:
+                continue
+            w = t.detach().reshape(-1)[off::stride][:count]
+            gs = cast(torch.Tensor, self.directions[i]).reshape(-1)[off::stride][:count]
+            buckets.setdefault((w.device, w.dtype, check.adapter.compute_dtype(e)), []).append((i, w, gs))
+            factors[i] = (self.size(i, t) / self.gnorm[i], t.numel() / count)
+        per_weight: dict[int, list[float]] = {}
+        pending: list[tuple[list[int], torch.Tensor]] = []
+        for (device, wdtype, cdt), members in buckets.items():
+            rows = len(members)
+            spans = tuple((r, w.numel()) for r, (_, w, _) in enumerate(members))
+            index = check.subsets.positions(device, spans)
+            weights = torch.zeros(rows, SUBSET, device=device)
+            grads = torch.zeros(rows, SUBSET, device=device)
+            weights.view(-1).index_copy_(0, index, torch.cat([w for _, w, _ in members]).float())
+            grads.view(-1).index_copy_(0, index, torch.cat([g.float() for _, _, g in members]))
+            c = torch.tensor([factors[i][0] for i, _, _ in members], device=device)[:, None]
+            scale = torch.tensor([factors[i][1] for i, _, _ in members], device=device, dtype=torch.float64)
+            moves = grads * c
+            start = weights.to(wdtype).to(cdt).float()
+            parts = []
+            for step in CANDIDATE_STEPS:  # zero-padded elements move by nothing and add nothing
+                moved = (weights + step * moves).to(wdtype).to(cdt).float() - start
+                parts.append((moved * grads).sum(dim=1, dtype=torch.float64) * scale)
+            pending.append(([i for i, _, _ in members], torch.stack(parts, 1)))  # [rows, steps]
+        if not pending:
+            return [[0.0] * len(CANDIDATE_STEPS) for _ in groups], {}
+        device = pending[0][1].device
+        values = check.dist.sum_stats(torch.cat([m.to(device) for _, m in pending]))
+        host = cast(list[list[float]], values.cpu().tolist())
+        owners = [i for members, _ in pending for i in members]
+        per_weight = dict(zip(owners, host, strict=True))
+        totals: list[list[float]] = []
+        for indexes in groups:
+            known = [per_weight[i] for i in indexes if i in per_weight]
+            totals.append(
+                [float(sum(col)) for col in zip(*known, strict=True)]
+                if known
+                else [0.0] * len(CANDIDATE_STEPS)
+            )
+        return totals, per_weight
 
     def along(self, step: float) -> _Along:
         return _Along(self, step)
@@ -562,7 +581,22 @@ class Check:
         try:
             self.synced, self.uninstalled = False, True  # the weights move from here on
             with torch.no_grad():
-                for i, t, old in zip(indexes, targets, saved, strict=True):
+                batched: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[int, int]]] = {}
+                for j, (i, t) in enumerate(zip(indexes, targets, strict=True)):
+                    g = grads[i]
+                    if (
+                        isinstance(delta, _Along)
+                        and g is not None
+                        and g.numel() == t.numel() <= SMALL_MOVE
+                        and adapter.compute_dtype(self.entries[i]) == t.dtype
+                    ):
+                        batched.setdefault((t.device, t.dtype, g.dtype), []).append((j, i))
+                done = {j for members in batched.values() for j, _ in members}
+                for members in batched.values():
+                    parts.append(self._move_small(members, targets, saved, grads, cast(_Along, delta), sign))
+                for j, (i, t, old) in enumerate(zip(indexes, targets, saved, strict=True)):
+                    if j in done:
+                        continue
                     g = grads[i]
                     if isinstance(delta, _Along) and g is not None and g.numel() == t.numel():
                         t.add_(g.view(t.shape), alpha=sign * delta.factor(i, t))
@@ -594,12 +628,36 @@ class Check:
                 foreach_copy_(targets, saved)
             self.synced, self.uninstalled = False, True  # restored, installed by the next commit
         device = loss.device
-        pred = (
-            torch.stack([p.to(device=device, dtype=torch.float64) for p in parts]).sum()
-            if parts
-            else torch.zeros((), device=device)
-        )
-        return loss, pred.double()
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for part in parts:
+            by_kind.setdefault((part.device, part.dtype), []).append(part)
+        pred = torch.zeros((), device=device, dtype=torch.float64)
+        for same in by_kind.values():  # one stack per kind, summed in fp64 (not one cast per weight)
+            pred = pred + torch.stack(same).to(device=device, dtype=torch.float64).sum()
+        return loss, pred
+
+    def _move_small(
+        self,
+        members: list[tuple[int, int]],
+        targets: list[torch.Tensor],
+        saved: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        delta: _Along,
+        sign: float,
+    ) -> torch.Tensor:
+        """Small weights of one device and dtype (biases, norms: most of a model's parameters, a sliver of its
+        elements) moved with multi-tensor launches, and <G, move> over all of them (fp32 sum, fp64 for fp64
+        weights): a handful of launches instead of four per weight. The move is the direction times its
+        factor, rounded, then added (two roundings instead of one); the prediction reads the move as it
+        happened. (The noise's jitter stays per weight: its draw is the noise estimate's one sample.)"""
+        ts = [targets[j] for j, _ in members]
+        olds = [saved[j] for j, _ in members]
+        gs = [cast(torch.Tensor, grads[i]).view(targets[j].shape) for j, i in members]
+        factors = [sign * delta.factor(i, targets[j]) for j, i in members]
+        _TORCH._foreach_add_(ts, _TORCH._foreach_mul(gs, factors))
+        products = _TORCH._foreach_mul(_TORCH._foreach_sub(ts, olds), gs)
+        acc = torch.float64 if ts[0].dtype == torch.float64 else torch.float32
+        return torch.cat([p.reshape(-1) for p in products]).sum(dtype=acc)
 
     # -- finite differences -------------------------------------------------------------------------------------
     def fd(self) -> None:

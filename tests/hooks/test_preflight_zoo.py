@@ -29,8 +29,8 @@ from maingrad.hooks.preflight.run import preflight
 
 # bf16 forwards: a small factor on one weight of the GPT can stay within its group's error bar (a few percent
 # in bf16), so the group is not bisected; fp32 models must catch every one. For these cases the test asserts
-# that nothing else is blamed and that a miss is visible: the target's `fd_resolution` (the factor its probe
-# could have passed) is at least the injected factor.
+# that nothing else is blamed and that a miss is visible: the target is inconclusive, or its `fd_resolution`
+# (the factor its probe could have passed) is at least the injected factor.
 _BF16_LIMITS = {("gpt-bf16", "x1.3"): 1.3, ("gpt-bf16", "x0.5"): 0.5, ("gpt-bf16", "x2-bias"): 2.0}
 
 
@@ -74,7 +74,7 @@ def test_injected_bug_is_named_on_its_parameter(model_name: str, bug_name: str) 
         for name in set(expected) - set(_anomalies(result)):  # missed: the result must say it could be
             target = next(p for p in result.params if p.name == name)
             assert target.could_hide(factor), result.table()
-            assert target in result.weakly_checked(factor), result.table()
+            assert target.inconclusive or target in result.weakly_checked(factor), result.table()
         return
     assert _anomalies(result) == expected, result.table()
     assert result.status == "fail"
