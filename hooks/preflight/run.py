@@ -647,14 +647,17 @@ class Check:
     ) -> torch.Tensor:
         """Small weights of one device and dtype (biases, norms: most of a model's parameters, a sliver of its
         elements) moved with multi-tensor launches, and <G, move> over all of them (fp32 sum, fp64 for fp64
-        weights): a handful of launches instead of four per weight. The move is the direction times its
-        factor, rounded, then added (two roundings instead of one); the prediction reads the move as it
-        happened. (The noise's jitter stays per weight: its draw is the noise estimate's one sample.)"""
+        weights): a handful of launches instead of four per weight, and the same moves and predictions. (The
+        noise's jitter stays per weight: its draw is the noise estimate's one sample.)"""
         ts = [targets[j] for j, _ in members]
         olds = [saved[j] for j, _ in members]
         gs = [cast(torch.Tensor, grads[i]).view(targets[j].shape) for j, i in members]
         factors = [sign * delta.factor(i, targets[j]) for j, i in members]
-        _TORCH._foreach_add_(ts, _TORCH._foreach_mul(gs, factors))
+        # t + factor x g x 1, rounded once (as t.add_(g, alpha=factor)): the same moves as one weight at a time
+        ones = torch.ones(sum(t.numel() for t in ts), device=ts[0].device, dtype=gs[0].dtype)
+        units = [p.view(t.shape) for p, t in zip(ones.split([t.numel() for t in ts]), ts, strict=True)]
+        _TORCH._foreach_addcmul_(ts, gs, units, factors)
+        del ones, units
         products = _TORCH._foreach_mul(_TORCH._foreach_sub(ts, olds), gs)
         acc = torch.float64 if ts[0].dtype == torch.float64 else torch.float32
         return torch.cat([p.reshape(-1) for p in products]).sum(dtype=acc)
