@@ -14,7 +14,8 @@ from maingrad.contracts.records import WHOLE_CALL, new_record, record_id
 # What a parameter's `verdict` can be besides an anomaly code (or several joined by "+"):
 OK = "ok"  # every law held and the finite-difference estimate agrees within its error bar
 UNUSED = (
-    "unused"  # zero gradient and the loss does not move along the parameter (e.g. an expert with no tokens)
+    "unused"  # zero gradient and the loss does not move beyond its noise along the parameter (an expert with no
+    # tokens; also a parameter whose effect is below the loss's rounding noise)
 )
 INCONCLUSIVE = "inconclusive"  # the laws held but no step gave a reliable estimate: `notes` say why
 VERDICTS: tuple[str, ...] = (OK, UNUSED, INCONCLUSIVE, *PREFLIGHT_ANOMALIES)
