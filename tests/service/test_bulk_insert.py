@@ -58,6 +58,16 @@ def _finding_rows(analysis_id: int, n: int) -> list[dict[str, Any]]:
     ]
 
 
+def _two_analyses(db: Any) -> tuple[Any, Any, int, int]:
+    """Two projects with an analysis each: one written by the path under test, one by SQLAlchemy."""
+    ours = ensure_project(db, "ours")
+    theirs = ensure_project(db, "theirs")
+    with db.writing() as session:
+        a = _analysis(session, ours.id, "a" * 40)
+        b = _analysis(session, theirs.id, "b" * 40)
+    return ours, theirs, a, b
+
+
 def _columns(row: Any, table: Any, skip: set[str]) -> dict[str, Any]:
     return {c.name: getattr(row, c.key) for c in table.c if c.name not in skip}
 
@@ -65,11 +75,7 @@ def _columns(row: Any, table: Any, skip: set[str]) -> dict[str, Any]:
 def test_findings_and_alerts_match_sqlalchemy(fresh_database_url: str) -> None:
     settings = settings_for(fresh_database_url)
     with open_database(settings) as db:
-        ours = ensure_project(db, "ours")
-        theirs = ensure_project(db, "theirs")
-        with db.writing() as session:
-            a = _analysis(session, ours.id, "a" * 40)
-            b = _analysis(session, theirs.id, "b" * 40)
+        ours, theirs, a, b = _two_analyses(db)
         n = 2_500  # more than one PostgreSQL page
         with db.writing() as session:
             insert_rows(session.connection(), _FINDINGS_INSERT, _finding_rows(a, n), "findings")
@@ -112,29 +118,31 @@ def test_findings_and_alerts_match_sqlalchemy(fresh_database_url: str) -> None:
             stmt = _upsert_statement(session)
             session.connection().execute(stmt, alert_rows(theirs.id, b, "error"))
         with db.reading() as session:
-            mine = session.execute(
-                select(Finding).where(Finding.analysis_id == a).order_by(Finding.id)
-            ).scalars()
-            ref = session.execute(
-                select(Finding).where(Finding.analysis_id == b).order_by(Finding.id)
-            ).scalars()
-            skip = {"id", "analysis_id"}
-            got = [_columns(r, Finding.__table__, skip) for r in mine]
-            want = [_columns(r, Finding.__table__, skip) for r in ref]
-            assert len(got) == n
-            assert got == want
-            alerts = {}
-            for pid in (ours.id, theirs.id):
-                rows = session.execute(
-                    select(Alert).where(Alert.project_id == pid).order_by(Alert.id)
-                ).scalars()
-                alerts[pid] = [
-                    _columns(r, Alert.__table__, {"id", "project_id", "last_seen_analysis_id"}) for r in rows
-                ]
-            assert len(alerts[ours.id]) == n
-            assert alerts[ours.id] == alerts[theirs.id]
+            alerts = _same_rows(session, (a, b), (ours.id, theirs.id), n)
             assert {r["state"] for r in alerts[ours.id]} == {"open"}
             assert {r["level"] for r in alerts[ours.id]} == {"error"}
+
+
+def _same_rows(session: Any, analyses: tuple[int, int], projects: tuple[int, int], n: int) -> dict[int, Any]:
+    """The findings of the two analyses and the alerts of the two projects, stored by the path under test
+    and by SQLAlchemy's own insert, agree column for column (ids aside); the alerts, by project."""
+    findings = []
+    for analysis_id in analyses:
+        rows = session.execute(
+            select(Finding).where(Finding.analysis_id == analysis_id).order_by(Finding.id)
+        ).scalars()
+        findings.append([_columns(r, Finding.__table__, {"id", "analysis_id"}) for r in rows])
+    assert len(findings[0]) == n
+    assert findings[0] == findings[1]
+    alerts = {}
+    for pid in projects:
+        rows = session.execute(select(Alert).where(Alert.project_id == pid).order_by(Alert.id)).scalars()
+        alerts[pid] = [
+            _columns(r, Alert.__table__, {"id", "project_id", "last_seen_analysis_id"}) for r in rows
+        ]
+    assert len(alerts[projects[0]]) == n
+    assert alerts[projects[0]] == alerts[projects[1]]
+    return alerts
 
 
 def _upsert_statement(session: Any) -> Any:
@@ -156,11 +164,7 @@ def test_constant_columns_and_identical_rows_match_sqlalchemy(fresh_database_url
     identical in every column (each must be stored, however many there are) store what SQLAlchemy stores."""
     settings = settings_for(fresh_database_url)
     with open_database(settings) as db:
-        ours = ensure_project(db, "ours")
-        theirs = ensure_project(db, "theirs")
-        with db.writing() as session:
-            a = _analysis(session, ours.id, "a" * 40)
-            b = _analysis(session, theirs.id, "b" * 40)
+        ours, theirs, a, b = _two_analyses(db)
         same_row = _finding_rows(0, 1)[0]
         n = 2_100  # more than one PostgreSQL page
 
@@ -202,24 +206,7 @@ def test_constant_columns_and_identical_rows_match_sqlalchemy(fresh_database_url
             _upsert_alerts(session, alerts(ours.id, a))
             session.connection().execute(_upsert_statement(session), alerts(theirs.id, b))
         with db.reading() as session:
-            got = {}
-            for analysis_id in (a, b):
-                rows = session.execute(
-                    select(Finding).where(Finding.analysis_id == analysis_id).order_by(Finding.id)
-                ).scalars()
-                got[analysis_id] = [_columns(r, Finding.__table__, {"id", "analysis_id"}) for r in rows]
-            assert len(got[a]) == n
-            assert got[a] == got[b]
-            stored = {}
-            for pid in (ours.id, theirs.id):
-                rows = session.execute(
-                    select(Alert).where(Alert.project_id == pid).order_by(Alert.id)
-                ).scalars()
-                stored[pid] = [
-                    _columns(r, Alert.__table__, {"id", "project_id", "last_seen_analysis_id"}) for r in rows
-                ]
-            assert len(stored[ours.id]) == n
-            assert stored[ours.id] == stored[theirs.id]
+            stored = _same_rows(session, (a, b), (ours.id, theirs.id), n)
             assert {(r["last_seen_branch"], r["message"], r["first_seen_at"]) for r in stored[ours.id]} == {
                 (None, message, when)
             }
