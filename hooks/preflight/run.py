@@ -112,9 +112,8 @@ class _Node:
         self.probe = probe
         self.indexes = indexes
         self.tol = tol
-        self.parts: list[
-            tuple[str, list[int]]
-        ] = []  # the groups a combined probe holds (split along them first)
+        # the groups a combined probe holds (it is split along them first)
+        self.parts: list[tuple[str, list[int]]] = []
         self.halvings = 0  # splits of a group's own parameters above this node (not of a combined probe)
         self.levels: dict[float, tuple[float, float]] = {}
         self.parent: _Node | None = None
@@ -183,7 +182,6 @@ class _Moves:
             gs = cast(torch.Tensor, self.directions[i]).reshape(-1)[off::stride][:count]
             buckets.setdefault((w.device, w.dtype, check.adapter.compute_dtype(e)), []).append((i, w, gs))
             factors[i] = (self.size(i, t) / self.gnorm[i], t.numel() / count)
-        per_weight: dict[int, list[float]] = {}
         pending: list[tuple[list[int], torch.Tensor]] = []
         for (device, wdtype, cdt), members in buckets.items():
             rows = len(members)
@@ -335,14 +333,10 @@ class Check:
         self.later: list[int] = []  # parameters with no gradient on the first micro-batch (probed by fd_rest)
         self.fd_batches = [0]  # the micro-batches whose summed loss the finite differences evaluate
         self.noise_measured = False
-        self.multipliers: dict[str, float] = {}  # group -> its step over the combined probe's step
         self.step_mult: list[float] = []  # per parameter, the same (set by fd())
-        self.weight_gains: dict[
-            int, list[float]
-        ] = {}  # per parameter, its predicted change per candidate step
-        self.resolution: dict[
-            int, float
-        ] = {}  # per parameter, the factor its deciding probe could have hidden
+        # per parameter: its predicted change per candidate step; 1 + the relative error its probe could hide
+        self.weight_gains: dict[int, list[float]] = {}
+        self.resolution: dict[int, float] = {}
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{leaf_pattern(e.leaf)}"
@@ -791,9 +785,6 @@ class Check:
         for (_, indexes), k in zip(parts, chosen, strict=True):
             for i in indexes:
                 moves.mult[i] = CANDIDATE_STEPS[k] / CANDIDATE_STEPS[top]
-        self.multipliers = {
-            key: CANDIDATE_STEPS[k] / CANDIDATE_STEPS[top] for (key, _), k in zip(parts, chosen, strict=True)
-        }
         return min(CANDIDATE_STEPS[top], STEP_MAX)
 
     def _round(self, moves: _Moves, requests: list[tuple[_Node, float]], first: bool) -> list[_Node]:
@@ -942,9 +933,8 @@ class Check:
                 return self._set(node, "ok")
         elif not est.off:  # never a verdict from an estimate that did not check itself
             probe.reason = est.reason
-            if multi and (
-                len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS
-            ):  # smaller parts may be linear at a larger step
+            # smaller parts may be linear at a larger step
+            if multi and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
                 return self._split(node, est)
             return self._set(node, "inconclusive")
         if multi:
@@ -1175,8 +1165,10 @@ def _execute(check: Check) -> PreflightResult:
             check.fd()
             lap("finite_differences")
         check.singles()
+        lap("runs")
         if check.finite_differences:
             check.fd_rest()
+            lap("finite_differences")
         check.sequence()
         lap("runs")
         tolerances = _classify(check)
