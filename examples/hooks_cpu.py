@@ -9,7 +9,8 @@ the parts of the contract that matter (no code copied):
 - `FusedWgradLinear` is shaped like Transformer Engine's op-fuser `GroupedLinear` built with
   `accumulate_into_main_grad=True`: its forward refuses to run without `weight.main_grad`
   (`MAIN GRAD NOT FOUND` / `MAIN GRAD IS NONE`), and its backward adds dW into `weight.main_grad` instead of
-  `.grad`, refreshing it first from `get_main_grad()` as TE does for Megatron-FSDP parameters.
+  `.grad` (or writes it where the parameter's `overwrite_main_grad` says so), refreshing it first from
+  `get_main_grad()` as TE does for Megatron-FSDP parameters.
 - `MiniFSDP` does to parameters what Megatron-FSDP does at world size 1: each gets `get_main_grad()` (a view
   of a persistent fp32 buffer) and `__fsdp_param__`, but no `main_grad` until the first backward, and
   `zero_grad_buffer()` resets `main_grad` to None before every step.
@@ -47,7 +48,11 @@ class _FusedWgrad(torch.autograd.Function):
         param = ctx.param
         if getattr(param, "__fsdp_param__", False):  # TE: refresh from Megatron-FSDP in backward
             param.main_grad = param.get_main_grad()
-        param.main_grad.add_(dy.t().float() @ x.float())
+        wgrad = dy.t().float() @ x.float()
+        if getattr(param, "overwrite_main_grad", False):  # Megatron-FSDP asks for an overwrite: TE obeys
+            param.main_grad.copy_(wgrad)
+        else:
+            param.main_grad.add_(wgrad)
         param.grad_added_to_main_grad = True
         return dy @ weight, None
 

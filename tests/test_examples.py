@@ -44,3 +44,16 @@ def test_python_blocks_run_as_written(document: str) -> None:
     done = _run(["-c", script])
     assert done.returncode == 0, f"{document}:\n{done.stdout[-2000:]}\n{done.stderr}"
     assert "Traceback" not in done.stderr and f"--- block {len(blocks) - 1}" in done.stdout
+
+
+def test_readme_walkthrough_finds_exactly_the_two_documented_findings() -> None:
+    """README's first command checks examples/ and says the gate fails on two findings (the megatron-core
+    0.18.2 fused grouped MLP's MG001 and MG003); every other example must stay clean, or the walkthrough
+    says less than it shows."""
+    import json
+
+    done = _run(["-m", "maingrad.cli", "check", "examples/", "--format", "json"])
+    report = json.loads(done.stdout)
+    found = sorted((f["rule"], Path(f["path"]).name) for f in report["findings"])
+    assert found == [("MG001", "buggy_grouped_mlp.py"), ("MG003", "buggy_grouped_mlp.py")], done.stdout
+    assert "two findings" in (REPO / "README.md").read_text(encoding="utf-8")
