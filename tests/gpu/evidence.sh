@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU evidence runs of the evidence issue that are not the hooks' own (those are in run_hooks_gpu.sh).
-# Needs the recipe of ../shared/gpu/README.md done (TE in /tmp/site, megatron-core in /tmp/mc18, /tmp/mc19)
+# Needs the recipe of docs/gpu-evidence.md ("Setting up the GPU machine") done (TE in /tmp/site, megatron-core in /tmp/mc18, /tmp/mc19)
 # and the service's wheels carried in .whl/ (see docs/gpu-evidence.md).
 #   bash tests/gpu/evidence.sh fix        # run 1: `maingrad fix` on 0.18.2, then train the fixed sources
 #   bash tests/gpu/evidence.sh service    # run 3: hooks' HTTP sink -> maingrad serve on loopback -> gate

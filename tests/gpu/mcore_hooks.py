@@ -1,6 +1,6 @@
 """maingrad.hooks on the real stack: megatron-core TEGroupedMLP (TE op-fuser path) under Megatron-FSDP.
 
-Run on a GPU machine with Transformer Engine and megatron-core importable (recipe: ../shared/gpu/README.md):
+Run on a GPU machine with Transformer Engine and megatron-core importable (recipe: docs/gpu-evidence.md ("Setting up the GPU machine")):
 
     PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc18 python3 tests/gpu/mcore_hooks.py
     PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19 python3 tests/gpu/mcore_hooks.py --strategy optim --mb 2

@@ -1,6 +1,6 @@
 """maingrad.hooks.preflight on the real stack: megatron-core models under Megatron-FSDP / Megatron DDP, one GPU.
 
-Run on a GPU machine with Transformer Engine and megatron-core importable (recipe: ../shared/gpu/README.md;
+Run on a GPU machine with Transformer Engine and megatron-core importable (recipe: docs/gpu-evidence.md ("Setting up the GPU machine");
 megatron-core 0.19.2 from its wheel, Megatron-LM main as a source tree of `megatron/core`):
 
     PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19:tests/gpu/stub python3 tests/gpu/preflight_gpu.py \

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The hooks' GPU runs, in two parts that each fit one device call (after the recipe in
-# ../shared/gpu/README.md has put TE in /tmp/site and megatron-core in /tmp/mc18, /tmp/mc19).
+# docs/gpu-evidence.md ("Setting up the GPU machine") has put TE in /tmp/site and megatron-core in /tmp/mc18, /tmp/mc19).
 #   bash tests/gpu/run_hooks_gpu.sh a     # megatron-core 0.18.2: default cases + the overwrite question
 #   bash tests/gpu/run_hooks_gpu.sh b     # megatron-core 0.19.2, then the pytest file on 0.18.2
 #   bash tests/gpu/run_hooks_gpu.sh t     # the pytest file on 0.18.2, then on 0.19.2

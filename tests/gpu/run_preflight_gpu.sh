@@ -1,5 +1,5 @@
 #!/bin/bash
-# preflight's GPU runs (after the recipe of ../shared/gpu/README.md: TE in /tmp/site, megatron-core 0.19.2 in
+# preflight's GPU runs (after the recipe of docs/gpu-evidence.md ("Setting up the GPU machine"): TE in /tmp/site, megatron-core 0.19.2 in
 # /tmp/mc19; Megatron-LM main as a source tree of megatron/core, e.g. /tmp/mlm). Run from the project root.
 #   bash tests/gpu/run_preflight_gpu.sh cases MEGATRON_DIR TAG [--fd-detail]   # every required case
 #   bash tests/gpu/run_preflight_gpu.sh bench MEGATRON_DIR TAG                 # benchmarks/gpu/preflight_cost.py

@@ -1,6 +1,6 @@
 """maingrad.hooks against real Transformer Engine (and megatron-core) on a GPU; skipped elsewhere.
 
-On the GPU machine (recipe: ../shared/gpu/README.md), with maingrad installed to /tmp/mg:
+On the GPU machine (recipe: docs/gpu-evidence.md ("Setting up the GPU machine")), with maingrad installed to /tmp/mg:
     PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc18 python3 -m pytest tests/gpu/test_hooks_gpu.py -v
     PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19 python3 -m pytest tests/gpu/test_hooks_gpu.py -v
 The megatron tests run tests/gpu/mcore_hooks.py in a subprocess (it initialises torch.distributed) and check

@@ -1,6 +1,6 @@
 """maingrad.hooks.preflight against real Transformer Engine and megatron-core on a GPU; skipped elsewhere.
 
-On the GPU machine (recipe: ../shared/gpu/README.md), with maingrad installed to /tmp/mg:
+On the GPU machine (recipe: docs/gpu-evidence.md ("Setting up the GPU machine")), with maingrad installed to /tmp/mg:
     PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19:tests/gpu/stub python3 -m pytest tests/gpu/test_preflight_gpu.py -v
 Megatron-LM main: put its source tree of megatron/core on PYTHONPATH instead of /tmp/mc19. Each test runs
 tests/gpu/preflight_gpu.py in a subprocess (it initialises torch.distributed) and checks what preflight named.
