@@ -88,31 +88,8 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
+@gc_paused()  # a contextmanager is also a decorator: each call pauses the collector anew
 def store_report(
-    db: Database,
-    settings: Settings,
-    project: Project,
-    *,
-    commit_sha: str,
-    branch: str | None,
-    category: str | None,
-    body: bytes | bytearray,
-    idempotency_key: str | None = None,
-) -> UploadOutcome:
-    with gc_paused():
-        return _store_report(
-            db,
-            settings,
-            project,
-            commit_sha=commit_sha,
-            branch=branch,
-            category=category,
-            body=body,
-            idempotency_key=idempotency_key,
-        )
-
-
-def _store_report(
     db: Database,
     settings: Settings,
     project: Project,

@@ -234,18 +234,6 @@ right (precision 6/17, 35%), so it is not a rule here.
 """
 
     VALID = [
-        # The accumulating kernel runs only in the other branch of the Megatron-FSDP test (the DDP path).
-        Example(
-            """\
-            def backward(ctx, grad_output):
-                weight = ctx.weight
-                if hasattr(weight, "__fsdp_param__"):
-                    weight.main_grad = weight.get_main_grad()
-                    general_gemm(ctx.x, grad_output, out=weight.main_grad, accumulate=not getattr(weight, "overwrite_main_grad", False))
-                else:
-                    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(ctx.x, grad_output, weight.main_grad)
-            """
-        ),
         # The buffer may be Megatron-FSDP's, but whether the kernel accumulates is decided by the flag.
         Example(
             """\
@@ -288,7 +276,8 @@ right (precision 6/17, 35%), so it is not a rule here.
                 general_gemm(x, dy, out=main_grad, accumulate=accumulate)
             """
         ),
-        # DDP branch: accumulating is the contract.
+        # DDP branch: accumulating is the contract (the accumulating kernel runs only in the other branch of
+        # the Megatron-FSDP test, where an earlier get_main_grad() cannot reach it).
         Example(
             """\
             def backward(ctx, dy):

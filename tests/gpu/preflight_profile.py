@@ -6,9 +6,7 @@ then one preflight call under torch.profiler, its ops sorted by CPU and by CUDA 
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,14 +15,8 @@ import torch
 
 
 def clock(call: Callable[[], Any], n: int = 5) -> float:
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    """Median milliseconds of n synchronized calls."""
+    return zoo.clock(call, n) * 1e3
 
 
 def main() -> None:

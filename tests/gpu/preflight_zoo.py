@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -511,7 +512,6 @@ def cost(case: Case, rounds: int) -> dict[str, Any]:
     """Median over rounds of (one preflight call) / (median training step of the same round): a training step is
     Megatron's loop iteration (zero, every micro-batch forward+backward, grad sync, optimizer step); memory is
     the peak above the base (zeroed buffers), against the bytes of the gradients the optimizer reads."""
-    import statistics
 
     import maingrad.hooks
 
@@ -587,7 +587,6 @@ def scan(case: Case) -> dict[str, Any]:
     """Diagnostic, not a verdict: preflight's own probes (its Check, on the first micro-batch's gradient) at every
     step of SCAN_STEPS for each starting group, the measured noise, each parameter's predicted change per unit
     step, and the time of a loss forward, of one whole-model evaluation and of a forward+backward."""
-    import statistics
 
     from maingrad.hooks.preflight import run as pr
     from maingrad.hooks.preflight.state import BufferState
@@ -601,16 +600,6 @@ def scan(case: Case) -> dict[str, Any]:
                      rng_states=())  # fmt: skip
     buffers = BufferState(model)
     adapter.save_user_grads()
-
-    def clock(call: Callable[[], Any], n: int) -> float:
-        times = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            call()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
 
     out: dict[str, Any] = {"case": case.name, "params": sum(p.numel() for p in model.parameters())}
     try:
@@ -659,6 +648,18 @@ def scan(case: Case) -> dict[str, Any]:
         f"forward+backward {out['microbatch_s'] * 1e3:.1f} ms, noise {out['noise']:.3g}")  # fmt: skip
     torch.cuda.empty_cache()
     return out
+
+
+def clock(call: Callable[[], Any], n: int) -> float:
+    """Median seconds of n synchronized calls."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def setup_distributed() -> None:
