@@ -56,6 +56,10 @@ class ParamResult:
     # anything from x0.5 to x1.5 could hide); None where its share of the probe's change is unknown or zero,
     # or it was not probed
     fd_resolution: float | None = None
+    # reported / measured on the weight's own module's output (module-local finite differences; for a weight
+    # moved with others of its module, the set's ratio), and that estimate's error bar
+    fd_local: float | None = None
+    fd_local_error: float | None = None
     finite: bool = True
     tolerance: float = 0.0  # linearity tolerance
     fd_tolerance: float = 0.0  # finite-difference tolerance beyond the error bar (from the compute dtype)
@@ -134,6 +138,9 @@ class PreflightResult:
     sequence: list[int] = field(default_factory=list)  # their order in the accumulated run (0-based)
     warnings: list[str] = field(default_factory=list)
     fixes: dict[str, str] = field(default_factory=dict)  # anomaly code -> fix for this wrapper
+    # module-local finite differences: {"on": bool, "judged": n, "verdicts": {verdict: n}, "not_judged":
+    # {reason: n}}
+    local: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -175,6 +182,7 @@ class PreflightResult:
             "cost": self.cost,
             "tolerances": self.tolerances,
             "fixes": self.fixes,
+            "local": self.local,
             "summary": self.summary_rows(),
             "groups": [vars(g) for g in self.groups],
             "params": [p.to_dict() for p in self.params],
@@ -262,6 +270,14 @@ class PreflightResult:
             lines.append(
                 f"  {'ok':<30} {count:>4}  ({len(good)} module types)"
                 + (f", {unused} unused" if unused else "")
+            )
+        if self.local.get("on"):
+            verdicts = ", ".join(f"{n} {v}" for v, n in sorted(self.local.get("verdicts", {}).items()))
+            skipped = "; ".join(f"{n} {why}" for why, n in self.local.get("not_judged", {}).items())
+            lines.append(
+                f"  module-local finite differences: {self.local.get('judged', 0)} weights judged on their own "
+                f"module's output ({verdicts or 'none'})"
+                + (f"; not judged there: {skipped}" if skipped else "")
             )
         weak = self.weakly_checked()
         if weak:

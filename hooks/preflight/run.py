@@ -42,6 +42,7 @@ an error), buffers and random state put back, gradients zeroed through the wrapp
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import sys
@@ -54,7 +55,7 @@ from typing import Any, cast
 import torch
 
 from maingrad.contracts.anomalies import PREFLIGHT_ANOMALIES
-from maingrad.hooks.preflight import judge
+from maingrad.hooks.preflight import judge, local
 from maingrad.hooks.preflight.measure import (
     E_MAX,
     STEP0,
@@ -79,6 +80,7 @@ from maingrad.hooks.preflight.measure import (
     norm,
     norms,
     some,
+    stack_to_host,
     unit_roundoff,
 )
 from maingrad.hooks.preflight.result import ParamResult, PreflightResult, Probe
@@ -90,7 +92,7 @@ from maingrad.hooks.preflight.state import (
     fp8_state_pairs,
     fp8_tensors,
 )
-from maingrad.hooks.preflight.wrappers import Adapter, Entry, choose
+from maingrad.hooks.preflight.wrappers import Adapter, Entry, _is_dtensor, choose
 
 RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -102,7 +104,19 @@ NOISE_SHARE = 4  # the first pair's smaller step: noise at most E_MAX / NOISE_SH
 CANDIDATE_STEPS = [2.0**-k for k in range(4, 21)]  # where the first pair is chosen (largest first)
 _TORCH: Any = torch  # torch's multi-tensor `_foreach_*` ops are not in its exported names
 SMALL_MOVE = 1 << 16  # weights up to this many elements move and are predicted with multi-tensor launches
-UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
+# verdicts that already account for a module-local deviation (or are the same finding)
+LOCAL_EXPLAINED = frozenset(
+    {
+        "grad_lost",
+        "grad_scaled",
+        "grad_inconsistent",
+        "grad_overwritten",
+        "grad_stale",
+        "grad_nondeterministic",
+    }
+)
+UNRELIABLE_SPLITS = 2
+UNSURE = 0.5  # a screened set is judged again where one of its weights could hide a factor of 1.5 or 0.5  # a group with no reliable estimate is split this many times before "inconclusive"
 
 
 class _Node:
@@ -337,6 +351,30 @@ class Check:
         # per parameter: its predicted change per candidate step; 1 + the relative error its probe could hide
         self.weight_gains: dict[int, list[float]] = {}
         self.resolution: dict[int, float] = {}
+        # module-local finite differences (local.py): on a single process, for wrappers whose module
+        # parameters are the tensors the gradients are read for (a plain module, Megatron DDP)
+        self.local_on = (
+            finite_differences
+            and adapter.kind in ("plain", "megatron-ddp")
+            and self.dist.world == 1
+            and len(batches) > 1
+        )
+        self.local_weights = {
+            id(e.raw_param): i
+            for i, e in enumerate(entries)
+            if not _is_dtensor(e.raw_param) and e.raw_param.numel() == e.opt_param.numel()
+        }
+        self.local: dict[int, local.LocalVerdict] = {}  # per entry: the module-local verdict that judged it
+        self.local_share: dict[int, float] = {}  # per entry: its share of its screened set's prediction
+        self.local_suspects: list[int] = []  # weights of screened sets that deviated (judged alone next)
+        self.local_unsure: list[
+            int
+        ] = []  # weights of screened sets bounded too loosely (judged again, together)
+        self.local_deferred: list[int] = []  # zero-gradient weights left to the sequence's module reruns
+        self.local_reruns = 0
+        self.local_not_judged: dict[str, set[int]] = {}
+        self.sizes: list[float] = []  # per entry: |weights| (floored), from the first probe's norms
+        self.gnorms: list[float] = []  # per entry: |G(first)|
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{leaf_pattern(e.leaf)}"
@@ -440,7 +478,9 @@ class Check:
             out.append(None if g is None else flat(g))
         return out
 
-    def _run(self, key: str, which: Sequence[int]) -> list[torch.Tensor | None]:
+    def _run(
+        self, key: str, which: Sequence[int], probe: local.LocalProbe | None = None
+    ) -> list[torch.Tensor | None]:
         """Zero; read what the optimizer would see right after zeroing (must be nothing); run the micro-batches
         `which` from the saved random state each; finish the sync. Returns the wrapper's own flattened
         gradients (never kept past the next run); their squared norms and subsets are recorded under `key`."""
@@ -453,10 +493,11 @@ class Check:
             self.stats.add("stale_n", stale, torch.ones(len(stale)), shard_sum=False)
         del left
         self.step_start.begin()
-        for b in which:
-            loss = self._microbatch(self.batches[b])
-            if key == "s0" and self.loss_fn is None:
-                self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        with probe.watching() if probe is not None else contextlib.nullcontext():
+            for b in which:
+                loss = self._microbatch(self.batches[b])
+                if key == "s0" and self.loss_fn is None:
+                    self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         self.adapter.finish()
         flats = self._grads()
         present = [i for i, f in enumerate(flats) if f is not None]
@@ -488,7 +529,10 @@ class Check:
     def singles(self) -> None:
         """The other micro-batches alone, each added into the copy (the sum of the singles, rounded once)."""
         for k in range(1, len(self.batches)):
-            flats = self._run(f"s{k}", [k])
+            probe = self._screening() if k == 1 else None
+            flats = self._run(f"s{k}", [k], probe)
+            if probe is not None:
+                self._judge_local(probe, flats, screening=True)
             adds: list[int] = []
             for i in self.present[f"s{k}"]:
                 f = cast(torch.Tensor, flats[i])
@@ -509,7 +553,10 @@ class Check:
         held = [i for i, c in enumerate(copy) if c is not None]
         if len(self.batches) == 1 and held:
             foreach_mul_(some(copy, held), 2.0)  # (A, A) against 2 G(A)
-        flats = self._run("seq", self.order)
+        probe = self._refinement()
+        flats = self._run("seq", self.order, probe)
+        if probe is not None:
+            self._judge_local(probe, copy, screening=False)
         both = [i for i in self.present["seq"] if copy[i] is not None]
         if both:
             cs = some(copy, both)
@@ -664,6 +711,10 @@ class Check:
         whose gradient is zero on that micro-batch wait for `fd_rest`."""
         moves = _Moves(self)
         self.step_mult = moves.mult
+        self.gnorms = list(moves.gnorm)
+        self.sizes = [
+            max(moves.tnorm[i], math.sqrt(e.raw_param.numel()) * 2.0**-7) for i, e in enumerate(self.entries)
+        ]
         usable = [i for i in range(len(self.entries)) if math.isfinite(moves.gnorm[i])]  # else no direction
         self.later = [i for i in usable if not moves.gnorm[i] > 0.0]
         now = [i for i in usable if moves.gnorm[i] > 0.0]
@@ -690,7 +741,220 @@ class Check:
         usable = [i for i in self.later if math.isfinite(moves.gnorm[i])]
         nonzero = [i for i in usable if moves.gnorm[i] > 0.0]
         zero = [i for i in usable if not moves.gnorm[i] > 0.0]
+        if self.local_on:  # the sequence's module reruns judge these first (no loss forwards)
+            self.local_deferred = [
+                i
+                for i in zero
+                if id(self.entries[i].raw_param) in self.local_weights
+                and local.probed_kind(self.owners.get(id(self.entries[i].raw_param))) is not None
+            ]
+            zero = [i for i in zero if i not in set(self.local_deferred)]
         self._probe(moves, nonzero, zero, " (all micro-batches)" if n > 1 else "")
+
+    def fd_left(self) -> None:
+        """Zero-gradient weights the module reruns left without a verdict: on the loss, along random directions."""
+        left = [i for i in self.local_deferred if i not in self.local]
+        if not left:
+            return
+        moves = _Moves(self)
+        self.step_mult = moves.mult
+        n = len(self.batches)
+        self._probe(moves, [], left, " (all micro-batches)" if n > 1 else "")
+
+    # -- module-local finite differences (local.py) -------------------------------------------------------------
+    def _local_floor(self, indexes: Sequence[int]) -> float:
+        """A correct gradient's deviation beyond the rounding error bar: 4 units of round-off of the compute
+        dtype (the backward's own GEMM rounding), at least 2^-10; the caller's fd_rtol where given."""
+        if self.fd_rtol is not None:
+            return self.fd_rtol
+        u = max(unit_roundoff(self.adapter.compute_dtype(self.entries[i])) for i in indexes)
+        return max(4 * u, 2.0**-10)
+
+    def _screening(self) -> local.LocalProbe | None:
+        """Every probed module's weights moved together along the first micro-batch's gradient (the copy, still
+        G(first) here), each weight at a step that gives it a comparable share of its module's change,
+        measured on the second micro-batch's backward."""
+        if not (self.local_on and self.gnorms):
+            return None
+        by_owner: dict[int, list[int]] = {}
+        for i in self.local_weights.values():
+            g = self.gnorms[i]
+            if self.copy[i] is None or not (g > 0 and math.isfinite(g)):
+                continue
+            owner = self.owners.get(id(self.entries[i].raw_param))
+            by_owner.setdefault(id(owner), []).append(i)
+        plan: dict[int, local.Move] = {}
+        gnorm = dict(enumerate(self.gnorms))
+        for members in by_owner.values():
+            eps = self._balanced(members, gnorm)
+            for i in members:
+                plan[i] = local.Move(h=eps[i] * self.sizes[i] / self.gnorms[i], direction=self.copy[i])
+        if not plan:
+            return None
+        return local.LocalProbe(self.model, self.local_weights, plan)
+
+    def _refinement(self) -> local.LocalProbe | None:
+        """In the sequence's backwards (every micro-batch), along the sum of the singles (which the sum of the
+        micro-batches' true gradients is compared with, so the direction is aligned with what is measured):
+        each weight of a screened set that deviated, alone; the weights of a set the screening could not bound
+        well (its micro-batch's gradient nearly orthogonal to the first one's), together as screened; and the
+        weights whose reported gradient is zero on every micro-batch, a call's together, along random directions
+        (their module's output must not move)."""
+        if not self.local_on or not (self.local_suspects or self.local_unsure or self.local_deferred):
+            return None
+        alone = set(self.local_suspects)
+        wanted = [i for i in (*self.local_suspects, *self.local_unsure) if self.copy[i] is not None]
+        plan: dict[int, local.Move] = {}
+        if wanted:
+            values = norms(some(self.copy, wanted)).double().cpu().tolist()
+            self.syncs += 1
+            gnorm = dict(zip(wanted, values, strict=True))
+            by_owner: dict[int, list[int]] = {}
+            for i in wanted:
+                if gnorm[i] > 0 and math.isfinite(gnorm[i]):
+                    by_owner.setdefault(id(self.owners.get(id(self.entries[i].raw_param))), []).append(i)
+            for members in by_owner.values():
+                eps = self._balanced(members, gnorm)
+                for i in members:
+                    label = "" if i in alone else "set"
+                    plan[i] = local.Move(
+                        h=eps[i] * self.sizes[i] / gnorm[i], direction=self.copy[i], label=label
+                    )
+        for i in self.local_deferred:
+            plan[i] = local.Move(
+                h=local.EPS_BIG * self.sizes[i], direction=None, seed=1009 * (i + 1), label="zero"
+            )
+        if not plan:
+            return None
+        return local.LocalProbe(self.model, self.local_weights, plan)
+
+    def _balanced(self, members: list[int], gnorm: dict[int, float]) -> dict[int, float]:
+        """Relative steps for weights moved together. The change a weight predicts at relative step eps is about
+        eps x |w| x |G|; the module is linear in each weight, so a larger step only makes the output's rounding
+        a smaller part of the change: the weight with the smallest change moves by EPS_BIG, the others less, each
+        to a comparable change (never below EPS_FLOOR, where a bf16 weight stops moving)."""
+        mags = {i: self.sizes[i] * gnorm[i] for i in members}
+        low = min(mags.values())
+        return {i: min(max(local.EPS_BIG * low / mags[i], local.EPS_FLOOR), local.EPS_BIG) for i in members}
+
+    def _judge_local(
+        self, probe: local.LocalProbe, reported: list[torch.Tensor | None], screening: bool
+    ) -> None:
+        """Compare, per set of weights moved together (sets sharing a weight, as a tied one, merged), the reruns'
+        <dy, y+ - y-> with <reported gradient, the move>; one host transfer."""
+        self.local_reruns += probe.reruns
+        parent: dict[int, int] = {}
+
+        def find(i: int) -> int:
+            while parent.setdefault(i, i) != i:
+                i = parent[i]
+            return i
+
+        for key in probe.sums:
+            for i in key[1:]:
+                parent[find(i)] = find(key[0])
+        components: dict[int, list[tuple[int, ...]]] = {}
+        for key in probe.sums:
+            components.setdefault(find(key[0]), []).append(key)
+        sets: list[tuple[tuple[int, ...], list[tuple[int, ...]]]] = []
+        for keys in components.values():
+            members = tuple(sorted({i for key in keys for i in key}))
+            bad = [i for i in members if not probe.complete(i)]
+            for i in bad:
+                reason = (
+                    "used outside its module's call"
+                    if i in probe.escaped
+                    else "its module could not be rerun"
+                )
+                self.local_not_judged.setdefault(reason, set()).add(i)
+            if not bad:
+                sets.append((members, keys))
+        if not sets:
+            return
+        values: list[torch.Tensor] = []
+        preds: dict[int, int] = {}
+        starts: list[int] = []
+        for members, keys in sets:
+            starts.append(len(values))
+            values.append(torch.stack([v for key in keys for v in probe.sums[key].measured]).sum())
+            values.append(torch.stack([v for key in keys for v in probe.sums[key].variance]).sum())
+            for i in members:
+                g = reported[i]
+                move = probe.plan[i]
+                if g is None or move.direction is None:
+                    continue
+                preds[i] = len(values)
+                values.append(local.prediction(self.adapter.target(self.entries[i]), move, g))
+        host = stack_to_host(values)
+        self.syncs += 1
+        for (members, _), at in zip(sets, starts, strict=True):
+            measured, variance = host[at], host[at + 1]
+            p = {i: host[preds[i]] for i in members if i in preds}
+            zero = all(probe.plan[i].direction is None for i in members)
+            floor = self._local_floor(members)
+            verdict = local.judge(members, sum(p.values()), measured, variance, floor, zero)
+            if verdict.verdict == "deviates":
+                if screening:
+                    self.local_suspects.extend(members)
+                continue  # (in the refinement a set is never a deviating one: deviating weights go alone)
+            if verdict.verdict == "moves" and len(members) > 1:
+                continue  # one of them lost its gradient: left to the loss-level probes (fd_left)
+            total = sum(abs(v) for v in p.values())
+            shares = {i: abs(p.get(i, 0.0)) / total if total > 0 else 0.0 for i in members}
+            if screening and (
+                verdict.verdict == "unknown"
+                or (
+                    verdict.verdict == "ok"
+                    and len(members) > 1
+                    and any(s <= 0 or (floor + (verdict.error or 0.0)) / s >= UNSURE for s in shares.values())
+                )
+            ):
+                self.local_unsure.extend(
+                    members
+                )  # bounded again in the sequence, along the aligned direction
+                continue
+            if verdict.verdict == "unknown":
+                self.local_not_judged.setdefault("below the output's rounding", set()).update(members)
+                continue
+            for i in members:
+                self.local[i] = verdict
+                self.local_share[i] = shares[i]
+
+    def apply_local(self) -> None:
+        """The module-local verdicts over the loss-level ones: a failure is a failure; an ok bounds what the
+        parameter could hide more tightly than a shared loss probe (fd_resolution: the tighter of the two)."""
+        kind = self.adapter.kind
+        for i, v in self.local.items():
+            r = self.results[i]
+            where = f"module {self.entries[i].module or '(root)'}"
+            if v.verdict == "unused":
+                if r.fd_probe is None or r.unused or r.inconclusive:
+                    r.fd_probe, r.unused, r.inconclusive = where, True, False
+                    r.notes = [n for n in r.notes if not n.startswith("finite differences:")]
+                continue
+            r.fd_local = v.ratio if v.verdict != "moves" else 0.0
+            r.fd_local_error = v.error
+            if v.verdict == "ok":
+                band = self._local_floor(v.indexes) + (v.error or 0.0)
+                share = self.local_share.get(i, 0.0) if len(v.indexes) > 1 else 1.0
+                if share > 0:
+                    bound = 1 + band / share
+                    r.fd_resolution = bound if r.fd_resolution is None else min(r.fd_resolution, bound)
+                if r.fd_probe is None or r.inconclusive:
+                    r.fd_probe, r.fd_scale, r.fd_error = where, v.ratio, v.error
+                    r.inconclusive, r.unused = False, False
+                    r.notes = [n for n in r.notes if not n.startswith("finite differences:")]
+                continue
+            verdict = {"moves": "lost", "lost": "lost", "scaled": "scaled", "wrong": "wrong"}[v.verdict]
+            scale = 0.0 if verdict == "lost" else v.ratio
+            r.fd_probe, r.fd_scale, r.fd_error = where, scale, v.error
+            r.inconclusive = r.unused = False
+            r.notes = [n for n in r.notes if not n.startswith("finite differences:")]
+            # the singles the comparison sums were themselves off where the accumulation verdicts name a pattern
+            # (the backward count, the position, a stale or overwritten buffer): that verdict says it
+            if not set(r.anomalies) & LOCAL_EXPLAINED:
+                judge.fd_verdict(r, verdict, scale, kind)
+                r.anomalies = sorted(dict.fromkeys(r.anomalies), key=PREFLIGHT_ANOMALIES.index)
 
     def _probe(self, moves: _Moves, nonzero: list[int], zero: list[int], suffix: str) -> list[_Node]:
         """Probe `nonzero` along the gradient copy and `zero` along random directions until every probe has
@@ -1171,6 +1435,9 @@ def _execute(check: Check) -> PreflightResult:
             lap("finite_differences")
         check.sequence()
         lap("runs")
+        if check.finite_differences:
+            check.fd_left()
+            lap("finite_differences")
         tolerances = _classify(check)
         suspects = [i for i, r in enumerate(check.results) if r.anomalies and r.finite]
         if suspects:
@@ -1223,6 +1490,7 @@ def _execute(check: Check) -> PreflightResult:
         "params": len(check.entries),
         "microbatches": len(check.batches),
         "host_syncs": check.syncs,
+        "module_reruns": check.local_reruns,
         "copy_bytes": check.copy_bytes,
         "seconds_by_part": {k: round(v, 4) for k, v in timings.items()},
     }
@@ -1240,7 +1508,29 @@ def _execute(check: Check) -> PreflightResult:
         microbatches=len(check.batches),
         sequence=list(check.order),
         fixes=judge.fixes_for(adapter.kind),
+        local=_local_summary(check),
     )
+
+
+def _local_summary(check: Check) -> dict[str, Any]:
+    """What the module-local finite differences judged, and why the others were not (each weight once)."""
+    if not check.local_on:
+        return {"on": False}
+    judged = sorted(check.local)
+    counts: dict[str, int] = {}
+    for i in judged:
+        counts[check.local[i].verdict] = counts.get(check.local[i].verdict, 0) + 1
+    seen = set(judged)
+    not_judged: dict[str, int] = {}
+    for reason, indexes in sorted(check.local_not_judged.items()):
+        left = indexes - seen
+        seen |= left
+        if left:
+            not_judged[reason] = len(left)
+    outside = [i for i in range(len(check.entries)) if i not in seen]
+    if outside:
+        not_judged["not in a probed module, or no gradient to compare"] = len(outside)
+    return {"on": True, "judged": len(judged), "verdicts": counts, "not_judged": not_judged}
 
 
 def _judge_repeat(check: Check, suspects: list[int], host: dict[str, list[float | None]]) -> None:
@@ -1331,6 +1621,7 @@ def _classify(check: Check) -> dict[str, Any]:
         r.anomalies = sorted(dict.fromkeys(r.anomalies), key=PREFLIGHT_ANOMALIES.index)
         if r.anomalies:
             r.inconclusive = False
+    check.apply_local()  # after the accumulation verdicts: a pattern they name explains a local deviation
     return {
         "linearity": (
             "8 x unit round-off of the least precise of gradient, compute and parameter dtypes (at least 4e-6)"

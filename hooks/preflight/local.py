@@ -1,0 +1,396 @@
+"""Module-local finite differences: each weight's reported gradient against its own module's output.
+
+The loss-level estimate (`run.py`) moves many weights and reads one number, the loss, whose rounding noise is
+the whole forward's: on a bf16 GPT a weight that carries 1% of a probe's change could be off x2 unseen. Here,
+inside the backward of a run the preflight makes anyway, a probed module is run again (forward only, no
+graph) with its weights moved by +-h along a direction d; the change of its output dotted with the gradient
+the backward handed that output (dy) is <true gradient through this module, d>, compared with
+<reported gradient, d>. The noise is one module's output rounding, averaged over all its elements, and there
+is no truncation error: the modules probed are linear in each of their parameters (Linear, LayerNormLinear,
+GroupedLinear, Embedding, LayerNorm, RMSNorm, Megatron's parallel linears), and a central difference is exact
+for anything up to quadratic (a product of two of a module's parameters). The error bar is computed from
+the values themselves: the output's unit round-off times sqrt(sum dy^2 (y+^2 + y-^2) / 3).
+
+What the comparison rests on, and how each is checked before a verdict:
+- every use of the weight in the forward happens inside a probed call of a module that holds it (its own
+  parameter, or a parameter passed to it as an argument, as Megatron passes a tied output weight): a
+  TorchFunctionMode watches the forward, and a weight used anywhere else (a skipped bias returned to the
+  caller, a weight tied by hand with F.linear, ...) is not judged here (the loss-level estimate judges it);
+- the call has exactly one output that needs a gradient, and it got one;
+- the module's tensor inputs are unchanged when its output's gradient arrives (version counters);
+- the module is not computing in FP8 (TE's FP8 scaling state belongs to the forward) and the autocast state
+  of the forward is restored for the reruns; no other process takes part (a rerun of a tensor-parallel
+  module would be a collective only this rank calls).
+dy itself is what autograd computed: a wrong input gradient upstream moves every weight below it together,
+which the loss-level estimate sees.
+
+Two uses (`run.py`): a screening of every probed module (its weights moved together, each along the first
+micro-batch's reported gradient at a step that gives it a comparable share of the module's change) on the
+second micro-batch's own backward; and, for the weights of a module whose screening deviates and for weights
+whose reported gradient is zero on every micro-batch, each weight on its own during the sequence's backwards
+(all micro-batches), against the sum of the singles (a zero one along a random direction: the module's output
+must not move, else the gradient was lost).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+# class names (on the module's class or a base) of modules linear in each parameter, from these packages
+PROBED = frozenset(
+    {
+        "Linear",
+        "LayerNormLinear",
+        "GroupedLinear",
+        "Embedding",
+        "LayerNorm",
+        "RMSNorm",
+        "ColumnParallelLinear",
+        "RowParallelLinear",
+        "VocabParallelEmbedding",
+    }
+)
+ORIGINS = ("torch.nn.", "transformer_engine.", "megatron.")
+EPS_BIG = 2.0**3  # a weight's largest step relative to its norm (of a bias at zero: its floored norm)
+EPS_FLOOR = 2.0**-7  # the smallest: a bf16 weight moved by less rounds back to itself almost everywhere
+SIGMAS = 4.0  # an error bar is this many standard deviations of the output rounding
+CHUNK = 1 << 22  # elements of dy and y+- reduced at a time (bounds the fp32 scratch of a vocabulary's logits)
+EACH_MAX = 8  # zero-gradient weights of one call probed one by one up to this many, else together
+
+
+def probed_kind(module: torch.nn.Module | None) -> str | None:
+    """The probed class a module is (or derives from), when the forward it runs is one of those packages' own
+    (a subclass that rewrites forward, say with noise, is not probed) and it holds no child that holds
+    parameters."""
+    if module is None:
+        return None
+    kind = None
+    for cls in type(module).__mro__:
+        if cls.__name__ in PROBED and cls.__module__.startswith(ORIGINS):
+            kind = cls.__name__
+            break
+    if kind is None:
+        return None
+    defining = next((c for c in type(module).__mro__ if "forward" in vars(c)), None)
+    if defining is None or not defining.__module__.startswith(ORIGINS) or "forward" in vars(module):
+        return None
+    if any(p is not None for child in module.children() for p in child.parameters()):
+        return None
+    return kind
+
+
+def move_into(dst: torch.Tensor, start: torch.Tensor, direction: torch.Tensor, h: float) -> None:
+    """dst = start + h x direction, rounded once to dst's dtype, in chunks (fp32 scratch of CHUNK elements). The
+    same expression makes the move in the hook and its prediction after the run, bit for bit."""
+    d, s, flat = direction.reshape(-1), start.reshape(-1), dst.view(-1)
+    for a in range(0, s.numel(), CHUNK):
+        flat[a : a + CHUNK].copy_(s[a : a + CHUNK].float() + h * d[a : a + CHUNK].float())
+
+
+@dataclass
+class Move:
+    """How one weight moves: along `direction` (flat, any float dtype) by h, or along a seeded random unit
+    direction (direction None; its prediction is zero: the reported gradient is)."""
+
+    h: float
+    direction: torch.Tensor | None = None
+    seed: int = 0
+    # the weights of one call that share a label move together (one set); an empty label: alone
+    label: str = "set"
+
+    def along(self, t: torch.Tensor) -> torch.Tensor:
+        if self.direction is not None:
+            return self.direction
+        gen = torch.Generator(device=t.device)
+        gen.manual_seed(self.seed)
+        r = torch.randn(t.numel(), generator=gen, device=t.device, dtype=torch.float32)
+        return r / max(math.sqrt(t.numel()), 1.0)
+
+
+@dataclass
+class Sums:
+    """What the reruns measured for one weight or one set of weights moved together (device scalars)."""
+
+    indexes: tuple[int, ...]
+    measured: list[torch.Tensor] = field(default_factory=list)  # <dy, y(+h) - y(-h)> per call
+    variance: list[torch.Tensor] = field(default_factory=list)  # of the output rounding in it
+
+
+@dataclass
+class _Call:
+    module: torch.nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    accounted: list[tuple[int, torch.Tensor]]  # (entry index, the tensor the module computes with)
+    position: int  # of the output in the flattened outputs
+    versions: list[tuple[torch.Tensor, int]]
+    autocast: tuple[str, bool, torch.dtype] | None
+
+
+class _Uses(TorchFunctionMode):
+    """Notes every weight a torch function receives in the forward outside a probed call that accounts for it."""
+
+    def __init__(self, probe: LocalProbe) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,  # noqa: ANN401 - torch's signature
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:  # noqa: ANN401
+        kwargs = kwargs or {}
+        probe = self.probe
+        if torch.compiler.is_compiling():  # traced by dynamo: a plain pass-through, nothing to guard on
+            return func(*args, **kwargs)
+        if not probe.rerunning and torch._C._current_autograd_node() is None:
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, (list, tuple)):
+                    for b in a:
+                        probe.note_use(b)
+                else:
+                    probe.note_use(a)
+        return func(*args, **kwargs)
+
+
+class LocalProbe:
+    """Hooks for one run: reruns of the probed modules inside its backward, per `plan` (entry index -> Move:
+    a call's planned weights with one label move together, those with an empty label alone). `weights` maps a
+    module parameter's id to its entry index; only planned entries move."""
+
+    def __init__(self, model: torch.nn.Module, weights: dict[int, int], plan: dict[int, Move]) -> None:
+        self.model = model
+        self.weights = weights
+        self.plan = plan
+        self.escaped: set[int] = set()  # entries used outside a probed call that accounts for them
+        self.failed: set[int] = set()  # entries one of whose calls could not be measured
+        self.sums: dict[tuple[int, ...], Sums] = {}
+        self.rerunning = False
+        self.active: dict[int, int] = {}  # id(weight) -> probed calls on the stack accounting for it
+        self.calls = 0
+        self.reruns = 0
+        self._pending: list[_Call] = []
+
+    # -- the forward ---------------------------------------------------------------------------------------
+    def note_use(self, a: object) -> None:
+        if isinstance(a, torch.Tensor):
+            i = self.weights.get(id(a))
+            if i is not None and not self.active.get(id(a)):
+                self.escaped.add(i)
+
+    def _accounted(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        found: dict[int, tuple[int, torch.Tensor]] = {}
+        for p in module._parameters.values():
+            if p is not None and id(p) in self.weights:
+                found[id(p)] = (self.weights[id(p)], p)
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor) and id(a) in self.weights:
+                found[id(a)] = (self.weights[id(a)], a)
+        return list(found.values())
+
+    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.rerunning:
+            return
+        for _, t in self._accounted(module, args, kwargs):
+            self.active[id(t)] = self.active.get(id(t), 0) + 1
+
+    def _post(
+        self,
+        module: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,  # noqa: ANN401
+    ) -> None:
+        if self.rerunning:
+            return
+        accounted = self._accounted(module, args, kwargs)
+        for _, t in accounted:
+            self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
+        planned = [(i, t) for i, t in accounted if i in self.plan]
+        if not planned:
+            return
+        self.calls += 1
+        leaves, _ = tree_flatten(output)
+        outs = [
+            k
+            for k, o in enumerate(leaves)
+            if isinstance(o, torch.Tensor) and o.requires_grad and id(o) not in self.weights
+        ]
+        for o in leaves:  # a weight handed back to the caller is used outside (a skipped bias)
+            if isinstance(o, torch.Tensor) and id(o) in self.weights:
+                self.escaped.add(self.weights[id(o)])
+        if len(outs) != 1 or getattr(module, "fp8", False) is True or not torch.is_grad_enabled():
+            self.failed.update(i for i, _ in planned)
+            return
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        device = leaves[outs[0]].device.type
+        autocast = None
+        if torch.is_autocast_enabled(device):
+            autocast = (device, True, torch.get_autocast_dtype(device))
+        call = _Call(
+            module=module,
+            args=args,
+            kwargs=kwargs,
+            accounted=planned,
+            position=outs[0],
+            versions=[(a, a._version) for a in inputs],
+            autocast=autocast,
+        )
+        self._pending.append(call)
+        leaves[outs[0]].register_hook(self._on_grad(call))
+
+    # -- the backward --------------------------------------------------------------------------------------
+    def _on_grad(self, call: _Call) -> Callable[[torch.Tensor], None]:
+        def hook(dy: torch.Tensor) -> None:
+            try:
+                self._measure(call, dy)
+            except Exception:  # noqa: BLE001 - a module that cannot be rerun is not judged here
+                self.failed.update(i for i, _ in call.accounted)
+            finally:
+                if call in self._pending:
+                    self._pending.remove(call)
+                call.args, call.kwargs = (), {}
+
+        return hook
+
+    def _measure(self, call: _Call, dy: torch.Tensor) -> None:
+        if any(a._version != v for a, v in call.versions):
+            self.failed.update(i for i, _ in call.accounted)
+            return
+        sets: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for i, t in call.accounted:
+            label = self.plan[i].label
+            sets.setdefault(label or f"alone {i}", []).append((i, t))
+        for members in sets.values():
+            key = tuple(sorted(i for i, _ in members))
+            value, var = self._rerun(call, members, dy)
+            sums = self.sums.setdefault(key, Sums(key))
+            sums.measured.append(value)
+            sums.variance.append(var)
+
+    def _rerun(
+        self, call: _Call, members: list[tuple[int, torch.Tensor]], dy: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """<dy, y(w + h d) - y(w - h d)> and the variance of its output rounding; the weights restored bit for
+        bit (through .data: their version counters, which autograd checks, do not move)."""
+        starts = [t.data.clone() for _, t in members]
+        outs: list[torch.Tensor] = []
+        ctx: Any = (
+            torch.autocast(*call.autocast[:1], dtype=call.autocast[2]) if call.autocast else nullcontext()
+        )
+        self.rerunning = True
+        try:
+            with torch.no_grad(), ctx:
+                for sign in (1.0, -1.0):
+                    for (i, t), start in zip(members, starts, strict=True):
+                        move = self.plan[i]
+                        move_into(t.data, start, move.along(t), sign * move.h)
+                    out = call.module.forward(*call.args, **call.kwargs)
+                    self.reruns += 1
+                    outs.append(tree_flatten(out)[0][call.position].detach())
+                    del out
+        finally:
+            for (_, t), start in zip(members, starts, strict=True):
+                t.data.copy_(start)
+            self.rerunning = False
+        plus, minus = outs
+        u = float(torch.finfo(plus.dtype).eps) / 2 if plus.dtype.is_floating_point else 0.0
+        g = dy.detach().reshape(-1)
+        p, m = plus.reshape(-1), minus.reshape(-1)
+        value = torch.zeros((), device=g.device, dtype=torch.float64)
+        var = torch.zeros((), device=g.device, dtype=torch.float64)
+        for a in range(0, g.numel(), CHUNK):
+            gg, pp, mm = g[a : a + CHUNK].float(), p[a : a + CHUNK].float(), m[a : a + CHUNK].float()
+            value += (gg * (pp - mm)).sum(dtype=torch.float64)
+            var += (gg.square() * (pp.square() + mm.square())).sum(dtype=torch.float64)
+        return value, var * (u * u / 3)
+
+    # -- installing --------------------------------------------------------------------------------------------
+    @contextmanager
+    def watching(self) -> Iterator[LocalProbe]:
+        handles = []
+        for module in self.model.modules():
+            if probed_kind(module) is None:
+                continue
+            handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        mode = _Uses(self)
+        try:
+            with mode:
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+            for call in self._pending:  # an output whose gradient never came: its weights are not judged
+                self.failed.update(i for i, _ in call.accounted)
+            self._pending = []
+            self.active = {}
+
+    def complete(self, i: int) -> bool:
+        return i not in self.escaped and i not in self.failed
+
+
+def prediction(start: torch.Tensor, move: Move, grad: torch.Tensor) -> torch.Tensor:
+    """<reported gradient, the weight's move from -h to +h> with the moves rounded exactly as the hook rounded
+    them (an fp64 scalar on the device; fp32 scratch of CHUNK elements)."""
+    d, s, g = move.along(start).reshape(-1), start.reshape(-1), grad.reshape(-1)
+    total = torch.zeros((), device=s.device, dtype=torch.float64)
+    for a in range(0, s.numel(), CHUNK):
+        base, step = s[a : a + CHUNK].float(), d[a : a + CHUNK].float()
+        plus = (base + move.h * step).to(s.dtype).float()
+        minus = (base - move.h * step).to(s.dtype).float()
+        total += ((plus - minus) * g[a : a + CHUNK].float()).sum(dtype=torch.float64)
+    return total
+
+
+@dataclass
+class LocalVerdict:
+    """The host-side comparison of one weight or set: reported / measured, its error bar, the verdict."""
+
+    indexes: tuple[int, ...]
+    predicted: float
+    measured: float
+    sigma: float
+    ratio: float | None
+    error: float | None
+    verdict: str  # ok | deviates | lost | wrong | scaled | unused | moves | unknown
+
+
+def judge(
+    indexes: tuple[int, ...], predicted: float, measured: float, variance: float, floor: float, zero: bool
+) -> LocalVerdict:
+    """`floor`: the relative deviation a correct gradient may show beyond the rounding error bar. `zero`: the
+    reported gradient is zero (the move was random): the output must not move."""
+    if not all(math.isfinite(x) for x in (predicted, measured, variance)):  # an output overflowed
+        return LocalVerdict(indexes, predicted, measured, math.nan, None, None, "unknown")
+    sigma = math.sqrt(max(variance, 0.0))
+    bar = SIGMAS * sigma
+    if zero:
+        verdict = "moves" if abs(measured) > bar and measured != 0.0 else "unused"
+        return LocalVerdict(indexes, predicted, measured, sigma, None, None, verdict)
+    if abs(measured) <= bar or measured == 0.0:
+        return LocalVerdict(indexes, predicted, measured, sigma, None, None, "unknown")
+    ratio = predicted / measured
+    error = bar / abs(measured)
+    band = floor + error
+    if ratio > 0 and abs(math.log(ratio)) <= band:
+        verdict = "ok"
+    elif abs(ratio) <= band:
+        verdict = "lost"
+    elif ratio < 0:
+        verdict = "wrong"
+    else:
+        verdict = "scaled"
+    if verdict != "ok" and len(indexes) > 1:
+        verdict = "deviates"
+    return LocalVerdict(indexes, predicted, measured, sigma, ratio, error, verdict)

@@ -1,0 +1,142 @@
+"""Module-local finite differences (`maingrad.hooks.preflight.local`): each weight of a probed module judged on
+its own module's output, inside the backwards preflight runs anyway.
+
+What must hold: a scaled weight is named however small its share of the loss (bf16 included); a zero gradient
+the module's output depends on is `grad_lost`, one it does not is `unused`; a weight used outside its module's
+call is not judged there (no false alarm from a tie by hand); a module whose forward is not the library's is
+not probed; nothing is left behind (weights bit for bit, no hook, no torch-function mode)."""
+
+from __future__ import annotations
+
+import torch
+from preflight_zoo import cross_entropy, microbatch, mse, regression_batches, token_batches
+from torch import nn
+
+from maingrad.hooks.preflight.local import probed_kind
+from maingrad.hooks.preflight.run import preflight
+
+
+class Tiny(nn.Module):
+    """Embedding, LayerNorm and two Linears, bf16 or fp32; `tie`: the output reuses the embedding through
+    F.linear in this module's own forward (a use outside any probed call)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, tie: bool = False) -> None:
+        super().__init__()
+        self.tie = tie
+        self.emb = nn.Embedding(vocab, dim)
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.head = None if tie else nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(h))))
+        if self.head is None:
+            return torch.nn.functional.linear(h, self.emb.weight)
+        return self.head(h)
+
+
+def _tiny(dtype: torch.dtype = torch.bfloat16, **kwargs: bool) -> Tiny:
+    torch.manual_seed(0)
+    return Tiny(**kwargs).to(dtype)
+
+
+def _anomalies(result: object) -> dict[str, list[str]]:
+    return {p.name: p.anomalies for p in result.params if p.anomalies}  # type: ignore[attr-defined]
+
+
+def _check(model: nn.Module) -> object:
+    return preflight(model, microbatch(cross_entropy), token_batches(3), loss_fn=cross_entropy)
+
+
+def test_every_weight_of_a_correct_bf16_model_is_judged_on_its_module_and_bounded() -> None:
+    result = _check(_tiny())
+    assert result.ok, result.table()
+    assert result.local["on"] and result.local["judged"] == 8 and result.local["verdicts"] == {"ok": 8}
+    for p in result.params:
+        assert p.fd_local is not None and abs(p.fd_local - 1) <= 0.05, p
+        # tight enough to rule out a x1.3 on every weight, the small-share LayerNorm bias included
+        assert p.fd_resolution is not None and p.fd_resolution < 1.3, p
+    assert not result.weakly_checked(2.0)
+    assert "module-local finite differences: 8 weights judged" in result.table()
+
+
+def test_a_scaled_small_share_weight_is_named_alone() -> None:
+    for name, factor in [("ln.bias", 2.0), ("fc2.bias", 0.5), ("fc1.weight", 1.3)]:
+        model = _tiny()
+        dict(model.named_parameters())[name].register_hook(lambda g, f=factor: g * f)
+        result = _check(model)
+        assert _anomalies(result) == {name: ["grad_scaled"]}, result.table()
+        target = next(p for p in result.params if p.name == name)
+        assert target.fd_probe is not None and target.fd_probe.startswith("module ")
+        assert abs(target.fd_scale - factor) <= 0.05 * factor, result.table()
+
+
+def test_a_zero_gradient_the_output_depends_on_is_lost_and_one_it_does_not_is_unused() -> None:
+    model = _tiny()
+    model.fc2.bias.register_hook(torch.zeros_like)  # every micro-batch's gradient dropped
+    result = _check(model)
+    assert _anomalies(result) == {"fc2.bias": ["grad_lost"]}, result.table()
+    assert next(p for p in result.params if p.name == "fc2.bias").fd_probe == "module fc2"
+
+    class Idle(nn.Module):  # a branch no micro-batch takes: its weights are truly unused
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(12, 12)
+            self.idle = nn.Linear(12, 12)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x) + 0.0 * self.idle(x)
+
+    torch.manual_seed(0)
+    result = preflight(Idle(), microbatch(mse), regression_batches(3), loss_fn=mse)
+    idle = {p.name: p for p in result.params if p.name.startswith("idle.")}
+    assert result.ok and all(p.unused and p.fd_probe == "module idle" for p in idle.values()), result.table()
+
+
+def test_a_weight_used_outside_its_module_call_is_not_judged_there() -> None:
+    result = _check(_tiny(tie=True))
+    assert result.ok, result.table()
+    emb = next(p for p in result.params if p.name == "emb.weight")
+    assert emb.fd_local is None and emb.fd_probe is not None and not emb.fd_probe.startswith("module ")
+    assert result.local["not_judged"].get("used outside its module's call") == 1, result.local
+
+
+def test_a_module_whose_forward_is_rewritten_is_not_probed() -> None:
+    class Noisy(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * (1 + 0.1 * torch.rand(()))
+
+    plain = nn.Linear(4, 4)
+    patched = nn.Linear(4, 4)
+    patched.forward = lambda x: x  # type: ignore[method-assign]
+    assert probed_kind(plain) == "Linear" and probed_kind(nn.LayerNorm(4)) == "LayerNorm"
+    assert probed_kind(Noisy(4, 4)) is None and probed_kind(patched) is None
+    assert probed_kind(nn.Sequential(nn.Linear(4, 4))) is None
+
+
+def test_nothing_is_left_behind() -> None:
+    model = _tiny()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = _check(model)
+    assert result.ok and result.cost["module_reruns"] > 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    assert not torch.overrides._get_current_function_mode_stack()
+    x = token_batches(1)[0][0]
+    assert model(x).dtype == torch.bfloat16  # the model still runs as before
+
+
+def test_the_local_check_is_off_where_its_comparison_would_not_hold() -> None:
+    """One micro-batch (no second backward to screen on) and finite_differences=False: not run, and the
+    result says so."""
+    model = _tiny()
+    one = preflight(model, microbatch(cross_entropy), token_batches(1), loss_fn=cross_entropy)
+    assert one.local == {"on": False} and "module-local" not in one.table()
+    off = preflight(
+        model, microbatch(cross_entropy), token_batches(3), loss_fn=cross_entropy, finite_differences=False
+    )
+    assert off.local == {"on": False} and off.cost["module_reruns"] == 0
