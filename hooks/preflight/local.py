@@ -14,7 +14,7 @@ the values themselves: the output's unit round-off times sqrt(sum dy^2 (y+^2 + y
 What the comparison rests on, and how each is checked before a verdict:
 - every use of the weight in the forward happens inside a probed call of a module that holds it (its own
   parameter, or a parameter passed to it as an argument, as Megatron passes a tied output weight): a
-  TorchFunctionMode watches the forward, and a weight used anywhere else (a skipped bias returned to the
+  subclass of the weight's class (its class for the run) watches the forward's functions it takes part in, and a weight used anywhere else (a skipped bias returned to the
   caller, a weight tied by hand with F.linear, ...) is not judged here (the loss-level estimate judges it);
 - the call has exactly one output that needs a gradient, and it got one;
 - the module's tensor inputs are unchanged when its output's gradient arrives (version counters);
@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 # class names (on the module's class or a base) of modules linear in each parameter, from these packages
@@ -63,7 +62,7 @@ EPS_BIG = 2.0**3  # a weight's largest step relative to its norm (of a bias at z
 EPS_FLOOR = 2.0**-7  # the smallest: a bf16 weight moved by less rounds back to itself almost everywhere
 SIGMAS = 4.0  # an error bar is this many standard deviations of the output rounding
 CHUNK = 1 << 22  # elements of dy and y+- reduced at a time (bounds the fp32 scratch of a vocabulary's logits)
-EACH_MAX = 8  # zero-gradient weights of one call probed one by one up to this many, else together
+EACH_MAX = 8  # zero-gradient weights of one module probed one by one up to this many, else together
 
 
 def probed_kind(module: torch.nn.Module | None) -> str | None:
@@ -135,32 +134,40 @@ class _Call:
     autocast: tuple[str, bool, torch.dtype] | None
 
 
-class _Uses(TorchFunctionMode):
-    """Notes every weight a torch function receives in the forward outside a probed call that accounts for it."""
+_ACTIVE: list[LocalProbe] = []  # the probe whose run is in progress (one at a time)
+_WATCHED: dict[type, type] = {}
 
-    def __init__(self, probe: LocalProbe) -> None:
-        super().__init__()
-        self.probe = probe
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,  # noqa: ANN401 - torch's signature
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:  # noqa: ANN401
-        kwargs = kwargs or {}
-        probe = self.probe
-        if torch.compiler.is_compiling():  # traced by dynamo: a plain pass-through, nothing to guard on
-            return func(*args, **kwargs)
-        if not probe.rerunning and torch._C._current_autograd_node() is None:
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, (list, tuple)):
-                    for b in a:
-                        probe.note_use(b)
-                else:
-                    probe.note_use(a)
+def _watch(
+    cls: type,
+    func: Callable[..., Any],
+    types: Any,  # noqa: ANN401 - torch's signature
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> Any:  # noqa: ANN401
+    """__torch_function__ of a watched weight: note a use in the forward outside a probed call that accounts
+    for it, then run the function as a plain tensor would (results are not the subclass)."""
+    kwargs = kwargs or {}
+    probe = _ACTIVE[-1] if _ACTIVE else None
+    if (
+        probe is not None
+        and not probe.rerunning
+        and not torch.compiler.is_compiling()
+        and torch._C._current_autograd_node() is None
+    ):
+        for a in tree_flatten((args, kwargs))[0]:
+            probe.note_use(a, func)
+    with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+def _watched(base: type) -> type:
+    """A subclass of the weight's class whose only difference is `_watch`: only the functions a watched weight
+    takes part in pay for the watching (a torch-function mode would intercept every operation of the
+    forward)."""
+    if base not in _WATCHED:
+        _WATCHED[base] = type(f"Watched{base.__name__}", (base,), {"__torch_function__": classmethod(_watch)})
+    return _WATCHED[base]
 
 
 class LocalProbe:
@@ -168,25 +175,29 @@ class LocalProbe:
     a call's planned weights with one label move together, those with an empty label alone). `weights` maps a
     module parameter's id to its entry index; only planned entries move."""
 
-    def __init__(self, model: torch.nn.Module, weights: dict[int, int], plan: dict[int, Move]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, params: dict[int, torch.Tensor], plan: dict[int, Move]
+    ) -> None:
         self.model = model
-        self.weights = weights
+        self.params = params  # entry index -> the module's parameter
+        self.weights = {id(t): i for i, t in params.items()}
         self.plan = plan
-        self.escaped: set[int] = set()  # entries used outside a probed call that accounts for them
+        self.escaped: dict[int, str] = {}  # entries used outside a probed call that accounts for them: how
         self.failed: set[int] = set()  # entries one of whose calls could not be measured
         self.sums: dict[tuple[int, ...], Sums] = {}
         self.rerunning = False
         self.active: dict[int, int] = {}  # id(weight) -> probed calls on the stack accounting for it
         self.calls = 0
         self.reruns = 0
+        self.errors: list[str] = []  # the first few reruns that raised (their weights are not judged here)
         self._pending: list[_Call] = []
 
     # -- the forward ---------------------------------------------------------------------------------------
-    def note_use(self, a: object) -> None:
+    def note_use(self, a: object, func: object) -> None:
         if isinstance(a, torch.Tensor):
             i = self.weights.get(id(a))
-            if i is not None and not self.active.get(id(a)):
-                self.escaped.add(i)
+            if i is not None and not self.active.get(id(a)) and i not in self.escaped:
+                self.escaped[i] = getattr(func, "__name__", None) or str(func)
 
     def _accounted(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         found: dict[int, tuple[int, torch.Tensor]] = {}
@@ -228,7 +239,7 @@ class LocalProbe:
         ]
         for o in leaves:  # a weight handed back to the caller is used outside (a skipped bias)
             if isinstance(o, torch.Tensor) and id(o) in self.weights:
-                self.escaped.add(self.weights[id(o)])
+                self.escaped.setdefault(self.weights[id(o)], f"returned by {type(module).__name__}")
         if len(outs) != 1 or getattr(module, "fp8", False) is True or not torch.is_grad_enabled():
             self.failed.update(i for i, _ in planned)
             return
@@ -254,8 +265,10 @@ class LocalProbe:
         def hook(dy: torch.Tensor) -> None:
             try:
                 self._measure(call, dy)
-            except Exception:  # noqa: BLE001 - a module that cannot be rerun is not judged here
+            except Exception as exc:  # noqa: BLE001 - a module that cannot be rerun is not judged here
                 self.failed.update(i for i, _ in call.accounted)
+                if len(self.errors) < 3:
+                    self.errors.append(f"{type(call.module).__name__}: {type(exc).__name__}: {exc}"[:300])
             finally:
                 if call in self._pending:
                     self._pending.remove(call)
@@ -269,6 +282,8 @@ class LocalProbe:
             return
         sets: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for i, t in call.accounted:
+            if i in self.escaped:  # its other use is not measured here: it stays where it is
+                continue
             label = self.plan[i].label
             sets.setdefault(label or f"alone {i}", []).append((i, t))
         for members in sets.values():
@@ -324,11 +339,21 @@ class LocalProbe:
                 continue
             handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))
-        mode = _Uses(self)
+        swapped: list[tuple[torch.Tensor, type]] = []
+        for i in self.plan:
+            t = self.params[i]
+            if type(t) is torch.nn.Parameter:
+                swapped.append((t, type(t)))
+                t.__class__ = _watched(type(t))
+            else:  # a tensor subclass with its own torch functions: its uses cannot be watched
+                self.failed.add(i)
+        _ACTIVE.append(self)
         try:
-            with mode:
-                yield self
+            yield self
         finally:
+            _ACTIVE.remove(self)
+            for t, cls in swapped:
+                t.__class__ = cls
             for h in handles:
                 h.remove()
             for call in self._pending:  # an output whose gradient never came: its weights are not judged

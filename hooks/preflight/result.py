@@ -279,6 +279,13 @@ class PreflightResult:
                 f"module's output ({verdicts or 'none'})"
                 + (f"; not judged there: {skipped}" if skipped else "")
             )
+            lines.extend(f"    a module rerun failed: {e}" for e in self.local.get("errors", []))
+            outside = self.local.get("used_outside", {})
+            if outside:
+                lines.append(
+                    "    used outside its module's call, e.g. "
+                    + ", ".join(f"{n} ({how})" for n, how in outside.items())
+                )
         weak = self.weakly_checked()
         if weak:
             lines.append(

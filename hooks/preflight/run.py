@@ -292,6 +292,7 @@ class Check:
         fd_rtol: float | None,
         rtol: float | None,
         rng_states: Sequence[RngPair],
+        module_fd: bool = True,
     ) -> None:
         self.model = model
         self.run_microbatch = run_microbatch
@@ -355,15 +356,18 @@ class Check:
         # parameters are the tensors the gradients are read for (a plain module, Megatron DDP)
         self.local_on = (
             finite_differences
+            and module_fd
             and adapter.kind in ("plain", "megatron-ddp")
             and self.dist.world == 1
             and len(batches) > 1
         )
-        self.local_weights = {
-            id(e.raw_param): i
+        self.local_params = {
+            i: e.raw_param
             for i, e in enumerate(entries)
             if not _is_dtensor(e.raw_param) and e.raw_param.numel() == e.opt_param.numel()
         }
+        self.local_weights = {id(t): i for i, t in self.local_params.items()}
+        self.local_escapes: dict[int, str] = {}  # weights used outside their module's call: where
         self.local: dict[int, local.LocalVerdict] = {}  # per entry: the module-local verdict that judged it
         self.local_share: dict[int, float] = {}  # per entry: its share of its screened set's prediction
         self.local_suspects: list[int] = []  # weights of screened sets that deviated (judged alone next)
@@ -372,6 +376,7 @@ class Check:
         ] = []  # weights of screened sets bounded too loosely (judged again, together)
         self.local_deferred: list[int] = []  # zero-gradient weights left to the sequence's module reruns
         self.local_reruns = 0
+        self.local_errors: list[str] = []
         self.local_not_judged: dict[str, set[int]] = {}
         self.sizes: list[float] = []  # per entry: |weights| (floored), from the first probe's norms
         self.gnorms: list[float] = []  # per entry: |G(first)|
@@ -773,13 +778,18 @@ class Check:
     def _screening(self) -> local.LocalProbe | None:
         """Every probed module's weights moved together along the first micro-batch's gradient (the copy, still
         G(first) here), each weight at a step that gives it a comparable share of its module's change,
-        measured on the second micro-batch's backward."""
+        measured on the second micro-batch's backward. Weights the loss-level probe already bounds within a
+        factor 1 +- UNSURE (a large share of its change: an embedding, an output layer) are left where they are:
+        the module reruns cost about a forward where they are all needed."""
         if not (self.local_on and self.gnorms):
             return None
         by_owner: dict[int, list[int]] = {}
         for i in self.local_weights.values():
             g = self.gnorms[i]
             if self.copy[i] is None or not (g > 0 and math.isfinite(g)):
+                continue
+            bound = self.resolution.get(i)
+            if bound is not None and bound - 1 < UNSURE:  # the loss-level probe already bounds it well enough
                 continue
             owner = self.owners.get(id(self.entries[i].raw_param))
             by_owner.setdefault(id(owner), []).append(i)
@@ -791,7 +801,7 @@ class Check:
                 plan[i] = local.Move(h=eps[i] * self.sizes[i] / self.gnorms[i], direction=self.copy[i])
         if not plan:
             return None
-        return local.LocalProbe(self.model, self.local_weights, plan)
+        return local.LocalProbe(self.model, self.local_params, plan)
 
     def _refinement(self) -> local.LocalProbe | None:
         """In the sequence's backwards (every micro-batch), along the sum of the singles (which the sum of the
@@ -820,13 +830,19 @@ class Check:
                     plan[i] = local.Move(
                         h=eps[i] * self.sizes[i] / gnorm[i], direction=self.copy[i], label=label
                     )
+        zero_by_owner: dict[int, list[int]] = {}
         for i in self.local_deferred:
-            plan[i] = local.Move(
-                h=local.EPS_BIG * self.sizes[i], direction=None, seed=1009 * (i + 1), label="zero"
-            )
+            zero_by_owner.setdefault(id(self.owners.get(id(self.entries[i].raw_param))), []).append(i)
+        for members in zero_by_owner.values():
+            # a few (an expert's weights) one by one, so a lost one is named; many (idle experts) together
+            label = "" if len(members) <= local.EACH_MAX else "zero"
+            for i in members:
+                plan[i] = local.Move(
+                    h=local.EPS_BIG * self.sizes[i], direction=None, seed=1009 * (i + 1), label=label
+                )
         if not plan:
             return None
-        return local.LocalProbe(self.model, self.local_weights, plan)
+        return local.LocalProbe(self.model, self.local_params, plan)
 
     def _balanced(self, members: list[int], gnorm: dict[int, float]) -> dict[int, float]:
         """Relative steps for weights moved together. The change a weight predicts at relative step eps is about
@@ -837,12 +853,15 @@ class Check:
         low = min(mags.values())
         return {i: min(max(local.EPS_BIG * low / mags[i], local.EPS_FLOOR), local.EPS_BIG) for i in members}
 
-    def _judge_local(
-        self, probe: local.LocalProbe, reported: list[torch.Tensor | None], screening: bool
-    ) -> None:
-        """Compare, per set of weights moved together (sets sharing a weight, as a tied one, merged), the reruns'
-        <dy, y+ - y-> with <reported gradient, the move>; one host transfer."""
-        self.local_reruns += probe.reruns
+    def _local_sets(self, probe: local.LocalProbe) -> list[tuple[tuple[int, ...], list[tuple[int, ...]]]]:
+        """The sets of weights to judge: the reruns' sets, merged where they share a weight (a tied one); a set
+        holding a weight one of whose calls could not be measured is left out (its weights noted, with why)."""
+        for i in probe.plan:
+            if i in probe.escaped:
+                self.local_escapes.setdefault(i, probe.escaped[i])
+                self.local_not_judged.setdefault("used outside its module's call", set()).add(i)
+            elif i in probe.failed:
+                self.local_not_judged.setdefault("its module could not be rerun", set()).add(i)
         parent: dict[int, int] = {}
 
         def find(i: int) -> int:
@@ -856,19 +875,21 @@ class Check:
         components: dict[int, list[tuple[int, ...]]] = {}
         for key in probe.sums:
             components.setdefault(find(key[0]), []).append(key)
-        sets: list[tuple[tuple[int, ...], list[tuple[int, ...]]]] = []
+        sets = []
         for keys in components.values():
             members = tuple(sorted({i for key in keys for i in key}))
-            bad = [i for i in members if not probe.complete(i)]
-            for i in bad:
-                reason = (
-                    "used outside its module's call"
-                    if i in probe.escaped
-                    else "its module could not be rerun"
-                )
-                self.local_not_judged.setdefault(reason, set()).add(i)
-            if not bad:
+            if all(probe.complete(i) for i in members):
                 sets.append((members, keys))
+        return sets
+
+    def _judge_local(
+        self, probe: local.LocalProbe, reported: list[torch.Tensor | None], screening: bool
+    ) -> None:
+        """Compare, per set of weights moved together, the reruns' <dy, y+ - y-> with <reported gradient, the
+        move>; one host transfer."""
+        self.local_reruns += probe.reruns
+        self.local_errors += probe.errors[: max(0, 3 - len(self.local_errors))]
+        sets = self._local_sets(probe)
         if not sets:
             return
         values: list[torch.Tensor] = []
@@ -1302,6 +1323,7 @@ def preflight(
     fd_groups: str = "mechanism",
     fd_step: float | None = None,
     fd_rtol: float | None = None,
+    module_fd: bool = True,
     rtol: float | None = None,
     max_microbatches: int = MAX_MICROBATCHES,
     rng_states: Sequence[RngPair] = (),
@@ -1325,7 +1347,8 @@ def preflight(
         "param" (the starting groups; deviating groups are bisected anyway); fd_step: the first relative step
     (default: from the measured noise and each group's predicted change);
         fd_rtol: accepted factor 1 + fd_rtol beyond the error bar (default 16 units of the compute dtype's
-        round-off). rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state)
+        round-off). module_fd: also judge the weights of Linear-like modules on their own module's output
+        (module-local finite differences, `local.py`; where the loss-level probe bounds a weight loosely). rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state)
         pairs to reset before every micro-batch. sinks, run, rank, commit: as for install(); label: a name.
         Returns a PreflightResult; it never raises for what the model does (an exception from the micro-batch is
         the result's `error`), only for bad arguments.
@@ -1385,6 +1408,7 @@ def preflight(
         fd_groups=fd_groups,
         fd_step=fd_step,
         fd_rtol=fd_rtol,
+        module_fd=module_fd,
         rtol=rtol,
         rng_states=rng_states,
     )
@@ -1530,7 +1554,14 @@ def _local_summary(check: Check) -> dict[str, Any]:
     outside = [i for i in range(len(check.entries)) if i not in seen]
     if outside:
         not_judged["not in a probed module, or no gradient to compare"] = len(outside)
-    return {"on": True, "judged": len(judged), "verdicts": counts, "not_judged": not_judged}
+    out: dict[str, Any] = {"on": True, "judged": len(judged), "verdicts": counts, "not_judged": not_judged}
+    if check.local_errors:
+        out["errors"] = list(check.local_errors)
+    if check.local_escapes:  # a few examples: the weight and the function that used it outside
+        out["used_outside"] = {
+            check.entries[i].name: how for i, how in islice(sorted(check.local_escapes.items()), 3)
+        }
+    return out
 
 
 def _judge_repeat(check: Check, suspects: list[int], host: dict[str, list[float | None]]) -> None:

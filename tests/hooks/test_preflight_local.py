@@ -4,7 +4,7 @@ its own module's output, inside the backwards preflight runs anyway.
 What must hold: a scaled weight is named however small its share of the loss (bf16 included); a zero gradient
 the module's output depends on is `grad_lost`, one it does not is `unused`; a weight used outside its module's
 call is not judged there (no false alarm from a tie by hand); a module whose forward is not the library's is
-not probed; nothing is left behind (weights bit for bit, no hook, no torch-function mode)."""
+not probed; nothing is left behind (weights bit for bit, no hook, its class back)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from preflight_zoo import cross_entropy, microbatch, mse, regression_batches, token_batches
 from torch import nn
 
-from maingrad.hooks.preflight.local import probed_kind
+from maingrad.hooks.preflight.local import LocalProbe, Move, probed_kind
 from maingrad.hooks.preflight.run import preflight
 
 
@@ -50,16 +50,23 @@ def _check(model: nn.Module) -> object:
     return preflight(model, microbatch(cross_entropy), token_batches(3), loss_fn=cross_entropy)
 
 
-def test_every_weight_of_a_correct_bf16_model_is_judged_on_its_module_and_bounded() -> None:
+def test_every_weight_of_a_correct_bf16_model_is_bounded_and_the_loose_ones_by_their_module() -> None:
+    """The loss-level probe alone leaves the small-share weights loosely bounded; those are judged on their
+    module, and then every weight rules out a x1.3 (the LayerNorm bias included)."""
+    alone = preflight(
+        _tiny(), microbatch(cross_entropy), token_batches(3), loss_fn=cross_entropy, module_fd=False
+    )
+    loose = {p.name for p in alone.params if p.fd_resolution is None or p.fd_resolution >= 1.5}
+    assert alone.ok and "ln.bias" in loose and alone.local == {"on": False}, alone.table()
     result = _check(_tiny())
     assert result.ok, result.table()
-    assert result.local["on"] and result.local["judged"] == 8 and result.local["verdicts"] == {"ok": 8}
+    judged = {p.name for p in result.params if p.fd_local is not None}
+    assert result.local["on"] and loose <= judged and result.local["verdicts"] == {"ok": len(judged)}
     for p in result.params:
-        assert p.fd_local is not None and abs(p.fd_local - 1) <= 0.05, p
-        # tight enough to rule out a x1.3 on every weight, the small-share LayerNorm bias included
+        assert p.fd_local is None or abs(p.fd_local - 1) <= 0.05, p
         assert p.fd_resolution is not None and p.fd_resolution < 1.3, p
-    assert not result.weakly_checked(2.0)
-    assert "module-local finite differences: 8 weights judged" in result.table()
+    assert not result.weakly_checked(1.3)
+    assert f"module-local finite differences: {len(judged)} weights judged" in result.table()
 
 
 def test_a_scaled_small_share_weight_is_named_alone() -> None:
@@ -96,11 +103,22 @@ def test_a_zero_gradient_the_output_depends_on_is_lost_and_one_it_does_not_is_un
 
 
 def test_a_weight_used_outside_its_module_call_is_not_judged_there() -> None:
+    """The tied output `F.linear(h, self.emb.weight)` runs in the model's own forward: the embedding weight is
+    seen there, left unmoved by the reruns, and not compared (its module's output carries only part of its
+    gradient); every other weight is measured."""
+    model = _tiny(tie=True)
+    names = [n for n, _ in model.named_parameters()]
+    params = dict(enumerate(model.parameters()))
+    plan = {i: Move(h=0.01, direction=torch.ones(p.numel())) for i, p in params.items()}
+    probe = LocalProbe(model, params, plan)
+    with probe.watching():
+        cross_entropy(model, token_batches(1)[0]).backward()
+    assert {names[i]: how for i, how in probe.escaped.items()} == {"emb.weight": "linear"}
+    measured = {names[i] for key in probe.sums for i in key}
+    assert measured == set(names) - {"emb.weight"} and not probe.failed
+    assert all(type(p) is nn.Parameter for p in model.parameters())
     result = _check(_tiny(tie=True))
     assert result.ok, result.table()
-    emb = next(p for p in result.params if p.name == "emb.weight")
-    assert emb.fd_local is None and emb.fd_probe is not None and not emb.fd_probe.startswith("module ")
-    assert result.local["not_judged"].get("used outside its module's call") == 1, result.local
 
 
 def test_a_module_whose_forward_is_rewritten_is_not_probed() -> None:
@@ -125,7 +143,7 @@ def test_nothing_is_left_behind() -> None:
         assert torch.equal(p.detach(), before[n]), n
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
-    assert not torch.overrides._get_current_function_mode_stack()
+    assert all(type(p) is nn.Parameter for p in model.parameters())
     x = token_batches(1)[0][0]
     assert model(x).dtype == torch.bfloat16  # the model still runs as before
 
