@@ -805,31 +805,23 @@ class Check:
 
     def _refinement(self) -> local.LocalProbe | None:
         """In the sequence's backwards (every micro-batch), along the sum of the singles (which the sum of the
-        micro-batches' true gradients is compared with, so the direction is aligned with what is measured):
-        each weight of a screened set that deviated, alone; the weights of a set the screening could not bound
-        well (its micro-batch's gradient nearly orthogonal to the first one's), together as screened; and the
-        weights whose reported gradient is zero on every micro-batch, a call's together, along random directions
-        (their module's output must not move)."""
+        micro-batches' true gradients is compared with, so the direction is aligned with what is measured), each
+        weight alone: those of a screened set that deviated, and those of a set the screening could not bound
+        well (its micro-batch's gradient nearly orthogonal to the first one's, or a weight's share too small); and
+        the weights whose reported gradient is zero on every micro-batch, along random directions (their
+        module's output must not move): one by one where a module has a few, together where it has many."""
         if not self.local_on or not (self.local_suspects or self.local_unsure or self.local_deferred):
             return None
-        alone = set(self.local_suspects)
         wanted = [i for i in (*self.local_suspects, *self.local_unsure) if self.copy[i] is not None]
         plan: dict[int, local.Move] = {}
         if wanted:
             values = norms(some(self.copy, wanted)).double().cpu().tolist()
             self.syncs += 1
             gnorm = dict(zip(wanted, values, strict=True))
-            by_owner: dict[int, list[int]] = {}
             for i in wanted:
                 if gnorm[i] > 0 and math.isfinite(gnorm[i]):
-                    by_owner.setdefault(id(self.owners.get(id(self.entries[i].raw_param))), []).append(i)
-            for members in by_owner.values():
-                eps = self._balanced(members, gnorm)
-                for i in members:
-                    label = "" if i in alone else "set"
-                    plan[i] = local.Move(
-                        h=eps[i] * self.sizes[i] / gnorm[i], direction=self.copy[i], label=label
-                    )
+                    h = local.EPS_BIG * self.sizes[i] / gnorm[i]
+                    plan[i] = local.Move(h=h, direction=self.copy[i], label="")
         zero_by_owner: dict[int, list[int]] = {}
         for i in self.local_deferred:
             zero_by_owner.setdefault(id(self.owners.get(id(self.entries[i].raw_param))), []).append(i)

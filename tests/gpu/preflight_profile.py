@@ -35,11 +35,18 @@ def main() -> None:
         print(f"PROFILE forward {clock(lambda: zoo.loss_fn(model, data[0])):.2f} ms", flush=True)
     print(f"PROFILE forward+backward {clock(lambda: zoo.run_microbatch(model, data[0])):.2f} ms", flush=True)
 
-    def call() -> Any:
-        return maingrad.hooks.preflight(model, zoo.run_microbatch, data, loss_fn=zoo.loss_fn)
+    def call(module_fd: bool = True) -> Any:
+        return maingrad.hooks.preflight(
+            model, zoo.run_microbatch, data, loss_fn=zoo.loss_fn, module_fd=module_fd
+        )
 
     call()
-    print(f"PROFILE preflight {clock(call, 3):.1f} ms", flush=True)
+    for _ in range(3):  # interleaved: with and without the module-local finite differences
+        for on in (True, False):
+            print(f"PROFILE preflight module_fd={on} {clock(lambda on=on: call(on), 3):.1f} ms", flush=True)
+    print(
+        f"PROFILE parts {call().cost['seconds_by_part']} / {call(False).cost['seconds_by_part']}", flush=True
+    )
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         result = call()
