@@ -58,7 +58,7 @@ PROBED = frozenset(
     }
 )
 ORIGINS = ("torch.nn.", "transformer_engine.", "megatron.")
-EPS_BIG = 2.0**3  # a weight's largest step relative to its norm (of a bias at zero: its floored norm)
+EPS_BIG = 2.0**6  # a weight's largest step relative to its norm (of a bias at zero: its floored norm)
 EPS_FLOOR = 2.0**-7  # the smallest: a bf16 weight moved by less rounds back to itself almost everywhere
 SIGMAS = 4.0  # an error bar is this many standard deviations of the output rounding
 CHUNK = 1 << 22  # elements of dy and y+- reduced at a time (bounds the fp32 scratch of a vocabulary's logits)
@@ -86,12 +86,27 @@ def probed_kind(module: torch.nn.Module | None) -> str | None:
     return kind
 
 
+def _moved(
+    start: torch.Tensor, direction: torch.Tensor, h: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """start + h x direction in start's dtype (flat pieces of equal length): one fused add (computed in fp32 for
+    the half types, rounded once) where the direction has start's dtype, else an fp32 sum rounded once. The
+    hook's move and the prediction after the run both come from here, so they agree bit for bit."""
+    if direction.dtype == start.dtype:
+        return (
+            torch.add(start, direction, alpha=h, out=out)
+            if out is not None
+            else torch.add(start, direction, alpha=h)
+        )
+    value = torch.add(start.float(), direction.float(), alpha=h).to(start.dtype)
+    return out.copy_(value) if out is not None else value
+
+
 def move_into(dst: torch.Tensor, start: torch.Tensor, direction: torch.Tensor, h: float) -> None:
-    """dst = start + h x direction, rounded once to dst's dtype, in chunks (fp32 scratch of CHUNK elements). The
-    same expression makes the move in the hook and its prediction after the run, bit for bit."""
+    """dst = start + h x direction (see `_moved`), in pieces of CHUNK elements."""
     d, s, flat = direction.reshape(-1), start.reshape(-1), dst.view(-1)
     for a in range(0, s.numel(), CHUNK):
-        flat[a : a + CHUNK].copy_(s[a : a + CHUNK].float() + h * d[a : a + CHUNK].float())
+        _moved(s[a : a + CHUNK], d[a : a + CHUNK], h, out=flat[a : a + CHUNK])
 
 
 @dataclass
@@ -322,12 +337,16 @@ class LocalProbe:
         u = float(torch.finfo(plus.dtype).eps) / 2 if plus.dtype.is_floating_point else 0.0
         g = dy.detach().reshape(-1)
         p, m = plus.reshape(-1), minus.reshape(-1)
-        value = torch.zeros((), device=g.device, dtype=torch.float64)
-        var = torch.zeros((), device=g.device, dtype=torch.float64)
-        for a in range(0, g.numel(), CHUNK):
+        values: list[torch.Tensor] = []
+        variances: list[torch.Tensor] = []
+        for a in range(0, g.numel(), CHUNK):  # fp32 copies (new tensors), then in place: few launches
             gg, pp, mm = g[a : a + CHUNK].float(), p[a : a + CHUNK].float(), m[a : a + CHUNK].float()
-            value += (gg * (pp - mm)).sum(dtype=torch.float64)
-            var += (gg.square() * (pp.square() + mm.square())).sum(dtype=torch.float64)
+            if g.dtype == torch.float32:
+                gg = gg.clone()  # .float() returned a view of dy itself, which is squared in place below
+            values.append(torch.dot(gg, pp - mm))
+            variances.append(torch.dot(gg.square_(), pp.square_().add_(mm.square_())))
+        value = torch.stack(values).double().sum()
+        var = torch.stack(variances).double().sum()
         return value, var * (u * u / 3)
 
     # -- installing --------------------------------------------------------------------------------------------
@@ -369,13 +388,13 @@ def prediction(start: torch.Tensor, move: Move, grad: torch.Tensor) -> torch.Ten
     """<reported gradient, the weight's move from -h to +h> with the moves rounded exactly as the hook rounded
     them (an fp64 scalar on the device; fp32 scratch of CHUNK elements)."""
     d, s, g = move.along(start).reshape(-1), start.reshape(-1), grad.reshape(-1)
-    total = torch.zeros((), device=s.device, dtype=torch.float64)
+    total: torch.Tensor | None = None
     for a in range(0, s.numel(), CHUNK):
-        base, step = s[a : a + CHUNK].float(), d[a : a + CHUNK].float()
-        plus = (base + move.h * step).to(s.dtype).float()
-        minus = (base - move.h * step).to(s.dtype).float()
-        total += ((plus - minus) * g[a : a + CHUNK].float()).sum(dtype=torch.float64)
-    return total
+        base, step = s[a : a + CHUNK], d[a : a + CHUNK]
+        diff = _moved(base, step, move.h).float().sub_(_moved(base, step, -move.h).float())  # exact in fp32
+        part = torch.dot(diff, g[a : a + CHUNK].float()).double()
+        total = part if total is None else total + part
+    return total if total is not None else torch.zeros((), device=s.device, dtype=torch.float64)
 
 
 @dataclass

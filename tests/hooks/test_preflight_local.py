@@ -158,3 +158,22 @@ def test_the_local_check_is_off_where_its_comparison_would_not_hold() -> None:
         model, microbatch(cross_entropy), token_batches(3), loss_fn=cross_entropy, finite_differences=False
     )
     assert off.local == {"on": False} and off.cost["module_reruns"] == 0
+
+
+def test_the_reruns_leave_the_backward_unchanged() -> None:
+    """The gradients of a run with the module reruns in its backward are those of the same run without them, bit
+    for bit (fp32: dy reaches the hooks as an fp32 tensor that the rerun's arithmetic must not touch)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _tiny(dtype)
+        batch = token_batches(1)[0]
+        cross_entropy(model, batch).backward()
+        plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        params = dict(enumerate(model.parameters()))
+        plan = {i: Move(h=0.5, direction=torch.randn(p.numel(), dtype=dtype)) for i, p in params.items()}
+        probe = LocalProbe(model, params, plan)
+        with probe.watching():
+            cross_entropy(model, batch).backward()
+        assert probe.reruns > 0 and not probe.failed
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, plain[n]), (dtype, n)
