@@ -38,10 +38,9 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 # class names (on the module's class or a base) of modules linear in each parameter, from these packages
 PROBED = frozenset(
@@ -138,7 +137,18 @@ class Sums:
     variance: list[torch.Tensor] = field(default_factory=list)  # of the output rounding in it
 
 
-@dataclass
+def leaves(obj: object) -> list[object]:
+    """The leaves of nested tuples, lists and dicts (what a module's arguments and outputs are made of), in
+    order: a plain walk, without pytree's bookkeeping (it runs for every probed call and every use of a
+    watched weight)."""
+    if isinstance(obj, (tuple, list)):
+        return [x for item in obj for x in leaves(item)]
+    if isinstance(obj, dict):
+        return [x for item in obj.values() for x in leaves(item)]
+    return [obj]
+
+
+@dataclass(eq=False)
 class _Call:
     module: torch.nn.Module
     args: tuple[Any, ...]
@@ -170,7 +180,13 @@ def _watch(
         and not torch.compiler.is_compiling()
         and torch._C._current_autograd_node() is None
     ):
-        for a in tree_flatten((args, kwargs))[0]:
+        for a in args:
+            if isinstance(a, (tuple, list)):
+                for b in a:
+                    probe.note_use(b, func)
+            else:
+                probe.note_use(a, func)
+        for a in kwargs.values():
             probe.note_use(a, func)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
@@ -205,7 +221,7 @@ class LocalProbe:
         self.calls = 0
         self.reruns = 0
         self.errors: list[str] = []  # the first few reruns that raised (their weights are not judged here)
-        self._pending: list[_Call] = []
+        self._pending: dict[int, _Call] = {}  # by id: calls whose output's gradient has not come yet
 
     # -- the forward ---------------------------------------------------------------------------------------
     def note_use(self, a: object, func: object) -> None:
@@ -219,7 +235,7 @@ class LocalProbe:
         for p in module._parameters.values():
             if p is not None and id(p) in self.weights:
                 found[id(p)] = (self.weights[id(p)], p)
-        for a in tree_flatten((args, kwargs))[0]:
+        for a in leaves((args, kwargs)):
             if isinstance(a, torch.Tensor) and id(a) in self.weights:
                 found[id(a)] = (self.weights[id(a)], a)
         return list(found.values())
@@ -246,20 +262,20 @@ class LocalProbe:
         if not planned:
             return
         self.calls += 1
-        leaves, _ = tree_flatten(output)
+        outputs = leaves(output)
         outs = [
             k
-            for k, o in enumerate(leaves)
+            for k, o in enumerate(outputs)
             if isinstance(o, torch.Tensor) and o.requires_grad and id(o) not in self.weights
         ]
-        for o in leaves:  # a weight handed back to the caller is used outside (a skipped bias)
+        for o in outputs:  # a weight handed back to the caller is used outside (a skipped bias)
             if isinstance(o, torch.Tensor) and id(o) in self.weights:
                 self.escaped.setdefault(self.weights[id(o)], f"returned by {type(module).__name__}")
         if len(outs) != 1 or getattr(module, "fp8", False) is True or not torch.is_grad_enabled():
             self.failed.update(i for i, _ in planned)
             return
-        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        device = leaves[outs[0]].device.type
+        inputs = [a for a in leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        device = outputs[outs[0]].device.type
         autocast = None
         if torch.is_autocast_enabled(device):
             autocast = (device, True, torch.get_autocast_dtype(device))
@@ -272,8 +288,8 @@ class LocalProbe:
             versions=[(a, a._version) for a in inputs],
             autocast=autocast,
         )
-        self._pending.append(call)
-        leaves[outs[0]].register_hook(self._on_grad(call))
+        self._pending[id(call)] = call
+        outputs[outs[0]].register_hook(self._on_grad(call))
 
     # -- the backward --------------------------------------------------------------------------------------
     def _on_grad(self, call: _Call) -> Callable[[torch.Tensor], None]:
@@ -285,8 +301,7 @@ class LocalProbe:
                 if len(self.errors) < 3:
                     self.errors.append(f"{type(call.module).__name__}: {type(exc).__name__}: {exc}"[:300])
             finally:
-                if call in self._pending:
-                    self._pending.remove(call)
+                self._pending.pop(id(call), None)
                 call.args, call.kwargs = (), {}
 
         return hook
@@ -327,7 +342,7 @@ class LocalProbe:
                         move_into(t.data, start, move.along(t), sign * move.h)
                     out = call.module.forward(*call.args, **call.kwargs)
                     self.reruns += 1
-                    outs.append(tree_flatten(out)[0][call.position].detach())
+                    outs.append(cast(torch.Tensor, leaves(out)[call.position]).detach())
                     del out
         finally:
             for (_, t), start in zip(members, starts, strict=True):
@@ -375,9 +390,9 @@ class LocalProbe:
                 t.__class__ = cls
             for h in handles:
                 h.remove()
-            for call in self._pending:  # an output whose gradient never came: its weights are not judged
+            for call in self._pending.values():  # an output whose gradient never came: not judged
                 self.failed.update(i for i, _ in call.accounted)
-            self._pending = []
+            self._pending = {}
             self.active = {}
 
     def complete(self, i: int) -> bool:

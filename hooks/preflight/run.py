@@ -116,7 +116,8 @@ LOCAL_EXPLAINED = frozenset(
     }
 )
 UNRELIABLE_SPLITS = 2
-UNSURE = 0.5  # a screened set is judged again where one of its weights could hide a factor of 1.5 or 0.5  # a group with no reliable estimate is split this many times before "inconclusive"
+UNSURE = 0.5  # a screened set is judged again where one of its weights could hide a factor of 1.5 or 0.5
+BOUND_ENOUGH = 0.25  # a weight the loss-level probe bounds within x1.25 is not screened on its module  # a group with no reliable estimate is split this many times before "inconclusive"
 
 
 class _Node:
@@ -779,8 +780,8 @@ class Check:
         """Every probed module's weights moved together along the first micro-batch's gradient (the copy, still
         G(first) here), each weight at a step that gives it a comparable share of its module's change,
         measured on the second micro-batch's backward. Weights the loss-level probe already bounds within a
-        factor 1 +- UNSURE (a large share of its change: an embedding, an output layer) are left where they are:
-        the module reruns cost about a forward where they are all needed."""
+        factor 1 +- BOUND_ENOUGH (a large share of its change: an embedding, an output layer) are left where
+        they are: the module reruns cost about a forward where they are all needed."""
         if not (self.local_on and self.gnorms):
             return None
         by_owner: dict[int, list[int]] = {}
@@ -789,7 +790,7 @@ class Check:
             if self.copy[i] is None or not (g > 0 and math.isfinite(g)):
                 continue
             bound = self.resolution.get(i)
-            if bound is not None and bound - 1 < UNSURE:  # the loss-level probe already bounds it well enough
+            if bound is not None and bound - 1 < BOUND_ENOUGH:  # the loss-level probe already bounds it
                 continue
             owner = self.owners.get(id(self.entries[i].raw_param))
             by_owner.setdefault(id(owner), []).append(i)
