@@ -24,12 +24,13 @@ What the comparison rests on, and how each is checked before a verdict:
 dy itself is what autograd computed: a wrong input gradient upstream moves every weight below it together,
 which the loss-level estimate sees.
 
-Two uses (`run.py`): a screening of every probed module (its weights moved together, each along the first
-micro-batch's reported gradient at a step that gives it a comparable share of the module's change) on the
-second micro-batch's own backward; and, for the weights of a module whose screening deviates and for weights
-whose reported gradient is zero on every micro-batch, each weight on its own during the sequence's backwards
-(all micro-batches), against the sum of the singles (a zero one along a random direction: the module's output
-must not move, else the gradient was lost).
+Two uses (`run.py`): a screening of the probed modules holding a weight the loss bounds loosely (its weights
+moved together, each along the first micro-batch's reported gradient at a step that gives it a comparable
+share of the module's change) on the second micro-batch's own backward; and, for the weights of a set whose
+screening deviates or bounds a weight loosely, and for weights whose reported gradient is zero on every
+micro-batch, each weight on its own during the sequence's backwards (all micro-batches), against the sum of
+the singles (a zero one along a random direction: the module's output must not move, else the gradient was
+lost).
 """
 
 from __future__ import annotations

@@ -272,10 +272,11 @@ class PreflightResult:
                 + (f", {unused} unused" if unused else "")
             )
         if self.local.get("on"):
+            judged = self.local.get("judged", 0)
             verdicts = ", ".join(f"{n} {v}" for v, n in sorted(self.local.get("verdicts", {}).items()))
             skipped = "; ".join(f"{n} {why}" for why, n in self.local.get("not_judged", {}).items())
             lines.append(
-                f"  module-local finite differences: {self.local.get('judged', 0)} weights judged on their own "
+                f"  module-local finite differences: {judged} weight{'' if judged == 1 else 's'} judged on their own "
                 f"module's output ({verdicts or 'none'})"
                 + (f"; not judged there: {skipped}" if skipped else "")
             )

@@ -29,8 +29,13 @@ whose factor differs from 1 by
 more than its error bar is bisected (one half evaluated, the other inferred from the parent by linearity of
 the derivative) down to the parameters responsible; parameters whose reported gradient is zero are probed
 along a random direction in their own subspace (bisected the same way where the loss moves). Cost: 2 loss
-forwards for the noise + 4 per group, + 2 per further step, + 4 per bisection split (the 541M GPT of
-docs/gpu-evidence.md: 3 groups, 14 forwards when every first pair is accepted).
+forwards for the noise + 4 for the combined probe of all groups, + 2 per further step, + 4 per bisection split.
+
+Module-local finite differences (`local.py`; module_fd=True): the weights of Linear-like modules that the loss
+bounds loosely are judged on their own module's output, rerun inside the backward of the second micro-batch's
+single (screening, weights of a module moved together) and of the sequence (each weight alone where a set
+deviated or bounded a weight loosely; zero gradients along random directions). No pass is added: 2 module
+reruns per screened call, 2 per re-judged weight and micro-batch.
 
 Memory: one copy of the gradients (G(first), then the sum of the singles, minus G(sequence) in place) rounded
 to the narrowest of bf16 and fp32 whose unit round-off is at most 1/8 of the linearity tolerance; the subsets
@@ -791,6 +796,7 @@ class Check:
                 continue
             bound = self.resolution.get(i)
             if bound is not None and bound - 1 < BOUND_ENOUGH:  # the loss-level probe already bounds it
+                self.local_not_judged.setdefault("bounded within x1.25 by the loss-level probe", set()).add(i)
                 continue
             owner = self.owners.get(id(self.entries[i].raw_param))
             by_owner.setdefault(id(owner), []).append(i)
@@ -1546,7 +1552,7 @@ def _local_summary(check: Check) -> dict[str, Any]:
             not_judged[reason] = len(left)
     outside = [i for i in range(len(check.entries)) if i not in seen]
     if outside:
-        not_judged["not in a probed module, or no gradient to compare"] = len(outside)
+        not_judged["not in a probed module (or no gradient to compare)"] = len(outside)
     out: dict[str, Any] = {"on": True, "judged": len(judged), "verdicts": counts, "not_judged": not_judged}
     if check.local_errors:
         out["errors"] = list(check.local_errors)
