@@ -13,9 +13,10 @@ the values themselves: the output's unit round-off times sqrt(sum dy^2 (y+^2 + y
 
 What the comparison rests on, and how each is checked before a verdict:
 - every use of the weight in the forward happens inside a probed call of a module that holds it (its own
-  parameter, or a parameter passed to it as an argument, as Megatron passes a tied output weight): a
-  subclass of the weight's class (its class for the run) watches the forward's functions it takes part in, and a weight used anywhere else (a skipped bias returned to the
-  caller, a weight tied by hand with F.linear, ...) is not judged here (the loss-level estimate judges it);
+  parameter, or a parameter passed to it as an argument, as Megatron passes a tied output weight): for the
+  run the weight's class is a subclass whose __torch_function__ notes the functions it takes part in, and a
+  weight used anywhere else (a skipped bias returned to the caller, a weight tied by hand with F.linear, ...)
+  is not moved nor judged here (the loss-level estimate judges it);
 - the call has exactly one output that needs a gradient, and it got one;
 - the module's tensor inputs are unchanged when its output's gradient arrives (version counters);
 - the module is not computing in FP8 (TE's FP8 scaling state belongs to the forward) and the autocast state
@@ -160,6 +161,25 @@ class _Call:
     autocast: tuple[str, bool, torch.dtype] | None
 
 
+# what a weight is asked without computing with it: not a use
+METADATA = frozenset(
+    {
+        "shape", "dtype", "device", "requires_grad", "is_cuda", "ndim", "layout", "grad", "grad_fn", "is_leaf",
+        "names", "is_sparse", "is_quantized", "is_meta", "itemsize", "nbytes", "_version", "size", "dim",
+        "numel", "stride", "is_contiguous", "data_ptr", "element_size", "get_device", "__len__", "_is_view",
+    }
+)  # fmt: skip
+
+
+def _function_name(func: object) -> str:
+    """A torch function's name; for an attribute read, the attribute's (`Tensor.shape.__get__` -> "shape")."""
+    name = getattr(func, "__name__", None) or str(func)
+    if name == "__get__":
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", None) or name
+    return name
+
+
 _ACTIVE: list[LocalProbe] = []  # the probe whose run is in progress (one at a time)
 _WATCHED: dict[type, type] = {}
 
@@ -229,7 +249,9 @@ class LocalProbe:
         if isinstance(a, torch.Tensor):
             i = self.weights.get(id(a))
             if i is not None and not self.active.get(id(a)) and i not in self.escaped:
-                self.escaped[i] = getattr(func, "__name__", None) or str(func)
+                how = _function_name(func)
+                if how not in METADATA:
+                    self.escaped[i] = how
 
     def _accounted(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         found: dict[int, tuple[int, torch.Tensor]] = {}
