@@ -298,7 +298,8 @@ class LocalProbe:
             self.failed.update(i for i, _ in planned)
             return
         inputs = [a for a in leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        device = outputs[outs[0]].device.type
+        out = cast(torch.Tensor, outputs[outs[0]])
+        device = out.device.type
         autocast = None
         if torch.is_autocast_enabled(device):
             autocast = (device, True, torch.get_autocast_dtype(device))
@@ -312,7 +313,7 @@ class LocalProbe:
             autocast=autocast,
         )
         self._pending[id(call)] = call
-        outputs[outs[0]].register_hook(self._on_grad(call))
+        out.register_hook(self._on_grad(call))
 
     # -- the backward --------------------------------------------------------------------------------------
     def _on_grad(self, call: _Call) -> Callable[[torch.Tensor], None]:
