@@ -120,9 +120,9 @@ LOCAL_EXPLAINED = frozenset(
         "grad_nondeterministic",
     }
 )
-UNRELIABLE_SPLITS = 2
+UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
 UNSURE = 0.5  # a screened set is judged again where one of its weights could hide a factor of 1.5 or 0.5
-BOUND_ENOUGH = 0.25  # a weight the loss-level probe bounds within x1.25 is not screened on its module  # a group with no reliable estimate is split this many times before "inconclusive"
+BOUND_ENOUGH = 0.25  # a weight the loss-level probe bounds within x1.25 is not screened on its module
 
 
 class _Node:
@@ -377,9 +377,8 @@ class Check:
         self.local: dict[int, local.LocalVerdict] = {}  # per entry: the module-local verdict that judged it
         self.local_share: dict[int, float] = {}  # per entry: its share of its screened set's prediction
         self.local_suspects: list[int] = []  # weights of screened sets that deviated (judged alone next)
-        self.local_unsure: list[
-            int
-        ] = []  # weights of screened sets bounded too loosely (judged again, together)
+        # weights of screened sets bounded too loosely (judged again, weight by weight)
+        self.local_unsure: list[int] = []
         self.local_deferred: list[int] = []  # zero-gradient weights left to the sequence's module reruns
         self.local_reruns = 0
         self.local_errors: list[str] = []
@@ -929,9 +928,8 @@ class Check:
                     and any(s <= 0 or (floor + (verdict.error or 0.0)) / s >= UNSURE for s in shares.values())
                 )
             ):
-                self.local_unsure.extend(
-                    members
-                )  # bounded again in the sequence, along the aligned direction
+                # judged again in the sequence, weight by weight, along the aligned direction
+                self.local_unsure.extend(members)
                 continue
             if verdict.verdict == "unknown":
                 self.local_not_judged.setdefault("below the output's rounding", set()).update(members)
