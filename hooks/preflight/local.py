@@ -132,9 +132,9 @@ class Move:
 
 @dataclass
 class Sums:
-    """What the reruns measured for one weight or one set of weights moved together (device scalars)."""
+    """What the reruns measured for one weight or one set of weights moved together (device scalars; the set is
+    the key it is kept under)."""
 
-    indexes: tuple[int, ...]
     measured: list[torch.Tensor] = field(default_factory=list)  # <dy, y(+h) - y(-h)> per call
     variance: list[torch.Tensor] = field(default_factory=list)  # of the output rounding in it
 
@@ -239,7 +239,6 @@ class LocalProbe:
         self.sums: dict[tuple[int, ...], Sums] = {}
         self.rerunning = False
         self.active: dict[int, int] = {}  # id(weight) -> probed calls on the stack accounting for it
-        self.calls = 0
         self.reruns = 0
         self.errors: list[str] = []  # the first few reruns that raised (their weights are not judged here)
         self._pending: dict[int, _Call] = {}  # by id: calls whose output's gradient has not come yet
@@ -253,12 +252,14 @@ class LocalProbe:
                 if how not in METADATA:
                     self.escaped[i] = how
 
-    def _accounted(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    def _accounted(self, module: torch.nn.Module, inputs: list[object]) -> list[Any]:
+        """(entry index, tensor) of the watched weights a call holds: its own, and those among its inputs (the
+        leaves of its arguments)."""
         found: dict[int, tuple[int, torch.Tensor]] = {}
         for p in module._parameters.values():
             if p is not None and id(p) in self.weights:
                 found[id(p)] = (self.weights[id(p)], p)
-        for a in leaves((args, kwargs)):
+        for a in inputs:
             if isinstance(a, torch.Tensor) and id(a) in self.weights:
                 found[id(a)] = (self.weights[id(a)], a)
         return list(found.values())
@@ -266,7 +267,7 @@ class LocalProbe:
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.rerunning:
             return
-        for _, t in self._accounted(module, args, kwargs):
+        for _, t in self._accounted(module, leaves((args, kwargs))):
             self.active[id(t)] = self.active.get(id(t), 0) + 1
 
     def _post(
@@ -278,13 +279,13 @@ class LocalProbe:
     ) -> None:
         if self.rerunning:
             return
-        accounted = self._accounted(module, args, kwargs)
+        flat = leaves((args, kwargs))
+        accounted = self._accounted(module, flat)
         for _, t in accounted:
             self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
         planned = [(i, t) for i, t in accounted if i in self.plan]
         if not planned:
             return
-        self.calls += 1
         outputs = leaves(output)
         outs = [
             k
@@ -297,7 +298,7 @@ class LocalProbe:
         if len(outs) != 1 or getattr(module, "fp8", False) is True or not torch.is_grad_enabled():
             self.failed.update(i for i, _ in planned)
             return
-        inputs = [a for a in leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        inputs = [a for a in flat if isinstance(a, torch.Tensor)]
         out = cast(torch.Tensor, outputs[outs[0]])
         device = out.device.type
         autocast = None
@@ -343,7 +344,7 @@ class LocalProbe:
         for members in sets.values():
             key = tuple(sorted(i for i, _ in members))
             value, var = self._rerun(call, members, dy)
-            sums = self.sums.setdefault(key, Sums(key))
+            sums = self.sums.setdefault(key, Sums())
             sums.measured.append(value)
             sums.variance.append(var)
 
@@ -353,6 +354,7 @@ class LocalProbe:
         """<dy, y(w + h d) - y(w - h d)> and the variance of its output rounding; the weights restored bit for
         bit (through .data: their version counters, which autograd checks, do not move)."""
         starts = [t.data.clone() for _, t in members]
+        directions = [self.plan[i].along(t) for i, t in members]  # a random one drawn once for both signs
         outs: list[torch.Tensor] = []
         ctx: Any = (
             torch.autocast(*call.autocast[:1], dtype=call.autocast[2]) if call.autocast else nullcontext()
@@ -361,9 +363,8 @@ class LocalProbe:
         try:
             with torch.no_grad(), ctx:
                 for sign in (1.0, -1.0):
-                    for (i, t), start in zip(members, starts, strict=True):
-                        move = self.plan[i]
-                        move_into(t.data, start, move.along(t), sign * move.h)
+                    for (i, t), start, d in zip(members, starts, directions, strict=True):
+                        move_into(t.data, start, d, sign * self.plan[i].h)
                     out = call.module.forward(*call.args, **call.kwargs)
                     self.reruns += 1
                     outs.append(cast(torch.Tensor, leaves(out)[call.position]).detach())

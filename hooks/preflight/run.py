@@ -722,9 +722,7 @@ class Check:
         moves = _Moves(self)
         self.step_mult = moves.mult
         self.gnorms = list(moves.gnorm)
-        self.sizes = [
-            max(moves.tnorm[i], math.sqrt(e.raw_param.numel()) * 2.0**-7) for i, e in enumerate(self.entries)
-        ]
+        self.sizes = [moves.size(i, e.raw_param) for i, e in enumerate(self.entries)]
         usable = [i for i in range(len(self.entries)) if math.isfinite(moves.gnorm[i])]  # else no direction
         self.later = [i for i in usable if not moves.gnorm[i] > 0.0]
         now = [i for i in usable if moves.gnorm[i] > 0.0]
@@ -795,7 +793,8 @@ class Check:
                 continue
             bound = self.resolution.get(i)
             if bound is not None and bound - 1 < BOUND_ENOUGH:  # the loss-level probe already bounds it
-                self.local_not_judged.setdefault("bounded within x1.25 by the loss-level probe", set()).add(i)
+                reason = f"bounded within x{1 + BOUND_ENOUGH:g} by the loss-level probe"
+                self.local_not_judged.setdefault(reason, set()).add(i)
                 continue
             owner = self.owners.get(id(self.entries[i].raw_param))
             by_owner.setdefault(id(owner), []).append(i)
