@@ -62,7 +62,7 @@ ORIGINS = ("torch.nn.", "transformer_engine.", "megatron.")
 EPS_BIG = 2.0**6  # a weight's largest step relative to its norm (of a bias at zero: its floored norm)
 EPS_FLOOR = 2.0**-7  # the smallest: a bf16 weight moved by less rounds back to itself almost everywhere
 SIGMAS = 4.0  # an error bar is this many standard deviations of the output rounding
-CHUNK = 1 << 22  # elements of dy and y+- reduced at a time (bounds the fp32 scratch of a vocabulary's logits)
+CHUNK = 1 << 24  # elements of dy and y+- reduced at a time (bounds the fp32 scratch of a vocabulary's logits)
 EACH_MAX = 8  # zero-gradient weights of one module probed one by one up to this many, else together
 
 
@@ -90,24 +90,17 @@ def probed_kind(module: torch.nn.Module | None) -> str | None:
 def _moved(
     start: torch.Tensor, direction: torch.Tensor, h: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """start + h x direction in start's dtype (flat pieces of equal length): one fused add (computed in fp32 for
-    the half types, rounded once) where the direction has start's dtype, else an fp32 sum rounded once. The
-    hook's move and the prediction after the run both come from here, so they agree bit for bit."""
-    if direction.dtype == start.dtype:
-        return (
-            torch.add(start, direction, alpha=h, out=out)
-            if out is not None
-            else torch.add(start, direction, alpha=h)
-        )
-    value = torch.add(start.float(), direction.float(), alpha=h).to(start.dtype)
-    return out.copy_(value) if out is not None else value
+    """start + h x direction in start's dtype: one fused add, computed in the wider of the two dtypes (fp32 for
+    a half-precision weight moved along an fp32 direction) and rounded once on the store. The hook's move and
+    the prediction after the run both come from here, so they agree bit for bit."""
+    if out is None:
+        out = torch.empty_like(start)
+    return torch.add(start, direction, alpha=h, out=out)
 
 
 def move_into(dst: torch.Tensor, start: torch.Tensor, direction: torch.Tensor, h: float) -> None:
-    """dst = start + h x direction (see `_moved`), in pieces of CHUNK elements."""
-    d, s, flat = direction.reshape(-1), start.reshape(-1), dst.view(-1)
-    for a in range(0, s.numel(), CHUNK):
-        _moved(s[a : a + CHUNK], d[a : a + CHUNK], h, out=flat[a : a + CHUNK])
+    """dst = start + h x direction (see `_moved`): no temporary, whatever the dtypes."""
+    _moved(start.reshape(-1), direction.reshape(-1), h, out=dst.view(-1))
 
 
 @dataclass
@@ -120,6 +113,8 @@ class Move:
     seed: int = 0
     # the weights of one call that share a label move together (one set); an empty label: alone
     label: str = "set"
+    # moved only in the backward of this micro-batch (an index into the run's batches); None: in every one
+    only: int | None = None
 
     def along(self, t: torch.Tensor) -> torch.Tensor:
         if self.direction is not None:
@@ -240,6 +235,7 @@ class LocalProbe:
         self.rerunning = False
         self.active: dict[int, int] = {}  # id(weight) -> probed calls on the stack accounting for it
         self.reruns = 0
+        self.current: int | None = None  # the micro-batch running now (set by the caller)
         self.errors: list[str] = []  # the first few reruns that raised (their weights are not judged here)
         self._pending: dict[int, _Call] = {}  # by id: calls whose output's gradient has not come yet
 
@@ -283,7 +279,9 @@ class LocalProbe:
         accounted = self._accounted(module, flat)
         for _, t in accounted:
             self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
-        planned = [(i, t) for i, t in accounted if i in self.plan]
+        planned = [
+            (i, t) for i, t in accounted if i in self.plan and self.plan[i].only in (None, self.current)
+        ]
         if not planned:
             return
         outputs = leaves(output)
@@ -381,10 +379,14 @@ class LocalProbe:
         var: torch.Tensor | None = None
         for a in range(0, g.numel(), CHUNK):
             # in fp32: y+ - y- is exact there for a half-precision output, and the dot's rounding is 2^-24
-            gg, pp, mm = g[a : a + CHUNK].float(), p[a : a + CHUNK].float(), m[a : a + CHUNK].float()
-            gg2 = gg * gg
-            part = torch.dot(gg, pp - mm)
-            part_var = torch.dot(gg2, pp * pp) + torch.dot(gg2, mm * mm)
+            gg = g[a : a + CHUNK].float()
+            pp, mm = p[a : a + CHUNK], m[a : a + CHUNK]
+            diff = pp.to(torch.float32, copy=True).sub_(mm)
+            part = torch.dot(gg, diff)
+            del diff
+            gp, gm = gg * pp, gg * mm  # fp32 products: the error bar's sum of dy^2 y^2
+            part_var = torch.dot(gp, gp) + torch.dot(gm, gm)
+            del gp, gm
             value = part if value is None else value + part
             var = part_var if var is None else var + part_var
         if value is None or var is None:
@@ -435,7 +437,7 @@ def prediction(start: torch.Tensor, move: Move, grad: torch.Tensor) -> torch.Ten
     total: torch.Tensor | None = None
     for a in range(0, s.numel(), CHUNK):
         base, step = s[a : a + CHUNK], d[a : a + CHUNK]
-        diff = _moved(base, step, move.h).float().sub_(_moved(base, step, -move.h).float())  # exact in fp32
+        diff = _moved(base, step, move.h).float().sub_(_moved(base, step, -move.h))  # exact in fp32
         part = torch.dot(diff, g[a : a + CHUNK].float()).double()
         total = part if total is None else total + part
     return total if total is not None else torch.zeros((), device=s.device, dtype=torch.float64)

@@ -103,6 +103,22 @@ def norm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t.float())
 
 
+def to_device(
+    values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device: a plain copy of pageable memory to a GPU
+    waits for every queued kernel (a stall of the launch pipeline per index or factor list); a pinned buffer
+    copies asynchronously (the host allocator keeps it until the copy has run)."""
+    return host_to(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` (see `to_device`)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def stack_to_host(values: list[torch.Tensor]) -> list[float]:
     """One device->host transfer per device and dtype for a list of 0-dim tensors."""
     out = [0.0] * len(values)
@@ -228,7 +244,7 @@ class Subsets:
             counts = torch.tensor([count for _, count in spans], dtype=torch.long)
             first = torch.cumsum(counts, 0) - counts  # where each span starts in the concatenation
             within = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
-            index = (torch.repeat_interleave(starts, counts) + within).to(device)
+            index = host_to(torch.repeat_interleave(starts, counts) + within, device)
             self._index[(device, spans)] = index
         return index
 
@@ -240,7 +256,7 @@ class Subsets:
             select = rows if wanted is None else [i for i in rows if i in wanted]
             if not select:
                 continue
-            index = torch.tensor([self.row_of[i] for i in select], device=device)
+            index = to_device([self.row_of[i] for i in select], device, torch.long)
             stack = torch.stack(
                 [self.mats[k][device].index_select(0, index) for k in keys], 1
             )  # [P, K, SUBSET]
@@ -255,7 +271,7 @@ class Subsets:
         for device, rows in self.rows.items():
             select = [i for i in rows if i in wanted]
             if select:
-                index = torch.tensor([self.row_of[i] for i in select], device=device)
+                index = to_device([self.row_of[i] for i in select], device, torch.long)
                 diff = self.mats[k1][device].index_select(0, index) - self.mats[k2][device].index_select(
                     0, index
                 )

@@ -84,8 +84,10 @@ from maingrad.hooks.preflight.measure import (
     leaf_pattern,
     norm,
     norms,
+    shaped,
     some,
     stack_to_host,
+    to_device,
     unit_roundoff,
 )
 from maingrad.hooks.preflight.result import ParamResult, PreflightResult, Probe
@@ -211,8 +213,8 @@ class _Moves:
             grads = torch.zeros(rows, SUBSET, device=device)
             weights.view(-1).index_copy_(0, index, torch.cat([w for _, w, _ in members]).float())
             grads.view(-1).index_copy_(0, index, torch.cat([g.float() for _, _, g in members]))
-            c = torch.tensor([factors[i][0] for i, _, _ in members], device=device)[:, None]
-            scale = torch.tensor([factors[i][1] for i, _, _ in members], device=device, dtype=torch.float64)
+            c = to_device([factors[i][0] for i, _, _ in members], device)[:, None]
+            scale = to_device([factors[i][1] for i, _, _ in members], device, torch.float64)
             moves = grads * c
             start = weights.to(wdtype).to(cdt).float()
             parts = []
@@ -380,6 +382,9 @@ class Check:
         # weights of screened sets bounded too loosely (judged again, weight by weight)
         self.local_unsure: list[int] = []
         self.local_deferred: list[int] = []  # zero-gradient weights left to the sequence's module reruns
+        # the weights the sequence's reruns judge alone (set after the last single) and their predictions
+        self.refine_plan: dict[int, local.Move] = {}
+        self.refine_predicted: dict[int, torch.Tensor] = {}
         self.local_reruns = 0
         self.local_errors: list[str] = []
         self.local_not_judged: dict[str, set[int]] = {}
@@ -505,6 +510,8 @@ class Check:
         self.step_start.begin()
         with probe.watching() if probe is not None else contextlib.nullcontext():
             for b in which:
+                if probe is not None:
+                    probe.current = b
                 loss = self._microbatch(self.batches[b])
                 if key == "s0" and self.loss_fn is None:
                     self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
@@ -538,6 +545,7 @@ class Check:
 
     def singles(self) -> None:
         """The other micro-batches alone, each added into the copy (the sum of the singles, rounded once)."""
+        last = len(self.batches) - 1
         for k in range(1, len(self.batches)):
             probe = self._screening() if k == 1 else None
             flats = self._run(f"s{k}", [k], probe)
@@ -555,6 +563,8 @@ class Check:
                     adds.append(i)
             if adds:  # one multi-tensor launch, not one add per parameter
                 foreach_add_(some(self.copy, adds), some(flats, adds))
+            if k == last:
+                self._plan_refinement(flats, k)
             del flats
 
     def sequence(self) -> None:
@@ -566,7 +576,8 @@ class Check:
         probe = self._refinement()
         flats = self._run("seq", self.order, probe)
         if probe is not None:
-            self._judge_local(probe, copy, screening=False)
+            self._judge_local(probe, copy, screening=False, predicted=self.refine_predicted)
+        self.refine_plan, self.refine_predicted = {}, {}
         both = [i for i in self.present["seq"] if copy[i] is not None]
         if both:
             cs = some(copy, both)
@@ -635,16 +646,18 @@ class Check:
                 batched: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[int, int]]] = {}
                 for j, (i, t) in enumerate(zip(indexes, targets, strict=True)):
                     g = grads[i]
-                    if (
-                        isinstance(delta, _Along)
-                        and g is not None
+                    if (isinstance(delta, _Along) or getattr(delta, "__func__", None) is _Moves.jitter) and (
+                        g is not None
                         and g.numel() == t.numel() <= SMALL_MOVE
                         and adapter.compute_dtype(self.entries[i]) == t.dtype
                     ):
                         batched.setdefault((t.device, t.dtype, g.dtype), []).append((j, i))
                 done = {j for members in batched.values() for j, _ in members}
                 for members in batched.values():
-                    parts.append(self._move_small(members, targets, saved, grads, cast(_Along, delta), sign))
+                    if isinstance(delta, _Along):
+                        parts.append(self._move_small(members, targets, saved, grads, delta, sign))
+                    else:
+                        parts.append(self._jitter_small(members, targets, saved, grads, sign))
                 for j, (i, t, old) in enumerate(zip(indexes, targets, saved, strict=True)):
                     if j in done:
                         continue
@@ -711,6 +724,36 @@ class Check:
         del ones, units
         products = _TORCH._foreach_mul(_TORCH._foreach_sub(ts, olds), gs)
         acc = torch.float64 if ts[0].dtype == torch.float64 else torch.float32
+        return torch.cat([p.reshape(-1) for p in products]).sum(dtype=acc)
+
+    def _jitter_small(
+        self,
+        members: list[tuple[int, int]],
+        targets: list[torch.Tensor],
+        saved: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        sign: float,
+    ) -> torch.Tensor:
+        """The noise's jitter (`_Moves.jitter`: +-2 units of round-off of each element, exact in the weight's
+        dtype) on small weights of one device and dtype at once: one draw for all of them (seeded, the same at
+        + and -) and multi-tensor launches instead of nine per weight; <G, move> over all of them."""
+        ts = [targets[j] for j, _ in members]
+        olds = [saved[j] for j, _ in members]
+        gs = [cast(torch.Tensor, grads[i]).view(targets[j].shape) for j, i in members]
+        t0 = ts[0]
+        gen = torch.Generator(device=t0.device)
+        gen.manual_seed(7919 + members[0][1])
+        u = unit_roundoff(t0.dtype)  # the compute dtype: the bucket holds weights computed in their own dtype
+        draw = torch.randint(
+            0, 2, (sum(t.numel() for t in ts),), generator=gen, device=t0.device, dtype=t0.dtype
+        )
+        draw.mul_(4 * u).sub_(2 * u)
+        ds = shaped(draw, ts)
+        _TORCH._foreach_mul_(ds, _TORCH._foreach_abs(olds))
+        _TORCH._foreach_add_(ts, ds, alpha=sign)
+        del ds, draw
+        products = _TORCH._foreach_mul(_TORCH._foreach_sub(ts, olds), gs)
+        acc = torch.float64 if t0.dtype == torch.float64 else torch.float32
         return torch.cat([p.reshape(-1) for p in products]).sum(dtype=acc)
 
     # -- finite differences -------------------------------------------------------------------------------------
@@ -808,25 +851,45 @@ class Check:
             return None
         return local.LocalProbe(self.model, self.local_params, plan)
 
+    def _plan_refinement(self, flats: list[torch.Tensor | None], k: int) -> None:
+        """After the last single (the copy now the sum of the singles, S): the moves of the weights to judge
+        alone, along S, and their predictions <reported single k, the move>, so that the sequence reruns their
+        modules only in micro-batch k's backward (the same true gradient as in its single: the weights and
+        random state are the same) instead of in every micro-batch's. A weight whose single k is zero (an
+        expert that got no tokens there) is measured in every micro-batch of the sequence, against S."""
+        if not self.local_on:
+            return
+        wanted = [
+            i for i in dict.fromkeys((*self.local_suspects, *self.local_unsure)) if self.copy[i] is not None
+        ]
+        if not wanted:
+            return
+        own = [i for i in wanted if flats[i] is not None]
+        values = norms(some(self.copy, wanted) + some(flats, own)).double().cpu().tolist()
+        self.syncs += 1
+        gnorm = dict(zip(wanted, values[: len(wanted)], strict=True))
+        single = dict(zip(own, values[len(wanted) :], strict=True))
+        for i in wanted:
+            if not (gnorm[i] > 0 and math.isfinite(gnorm[i])):
+                continue
+            h = local.EPS_BIG * self.sizes[i] / gnorm[i]
+            f = flats[i]
+            if f is not None and single.get(i, 0.0) > 0 and math.isfinite(single[i]):
+                move = local.Move(h=h, direction=self.copy[i], label="", only=k)
+                self.refine_predicted[i] = local.prediction(self.adapter.target(self.entries[i]), move, f)
+            else:
+                move = local.Move(h=h, direction=self.copy[i], label="")
+            self.refine_plan[i] = move
+
     def _refinement(self) -> local.LocalProbe | None:
-        """In the sequence's backwards (every micro-batch), along the sum of the singles (which the sum of the
-        micro-batches' true gradients is compared with, so the direction is aligned with what is measured), each
-        weight alone: those of a screened set that deviated, and those of a set the screening could not bound
-        well (its micro-batch's gradient nearly orthogonal to the first one's, or a weight's share too small); and
-        the weights whose reported gradient is zero on every micro-batch, along random directions (their
-        module's output must not move): one by one where a module has a few, together where it has many."""
-        if not self.local_on or not (self.local_suspects or self.local_unsure or self.local_deferred):
+        """In the sequence's backwards, each weight alone: those of a screened set that deviated, and those of
+        a set the screening could not bound well (its micro-batch's gradient nearly orthogonal to the first
+        one's, or a weight's share too small), along the sum of the singles (`_plan_refinement`); and the
+        weights whose reported gradient is zero on every micro-batch, along random directions (their module's
+        output must not move): one by one where a module has a few, together where it has many."""
+        if not self.local_on or not (self.refine_plan or self.local_deferred):
             return None
-        wanted = [i for i in (*self.local_suspects, *self.local_unsure) if self.copy[i] is not None]
-        plan: dict[int, local.Move] = {}
-        if wanted:
-            values = norms(some(self.copy, wanted)).double().cpu().tolist()
-            self.syncs += 1
-            gnorm = dict(zip(wanted, values, strict=True))
-            for i in wanted:
-                if gnorm[i] > 0 and math.isfinite(gnorm[i]):
-                    h = local.EPS_BIG * self.sizes[i] / gnorm[i]
-                    plan[i] = local.Move(h=h, direction=self.copy[i], label="")
+        plan: dict[int, local.Move] = dict(self.refine_plan)
         zero_by_owner: dict[int, list[int]] = {}
         for i in self.local_deferred:
             zero_by_owner.setdefault(id(self.owners.get(id(self.entries[i].raw_param))), []).append(i)
@@ -880,10 +943,14 @@ class Check:
         return sets
 
     def _judge_local(
-        self, probe: local.LocalProbe, reported: list[torch.Tensor | None], screening: bool
+        self,
+        probe: local.LocalProbe,
+        reported: list[torch.Tensor | None],
+        screening: bool,
+        predicted: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """Compare, per set of weights moved together, the reruns' <dy, y+ - y-> with <reported gradient, the
-        move>; one host transfer."""
+        move> (`predicted` where it was computed earlier, else from `reported`); one host transfer."""
         self.local_reruns += probe.reruns
         self.local_errors += probe.errors[: max(0, 3 - len(self.local_errors))]
         sets = self._local_sets(probe)
@@ -902,7 +969,12 @@ class Check:
                 if g is None or move.direction is None:
                     continue
                 preds[i] = len(values)
-                values.append(local.prediction(self.adapter.target(self.entries[i]), move, g))
+                early = predicted.get(i) if predicted else None
+                values.append(
+                    early
+                    if early is not None
+                    else local.prediction(self.adapter.target(self.entries[i]), move, g)
+                )
         host = stack_to_host(values)
         self.syncs += 1
         for (members, _), at in zip(sets, starts, strict=True):
