@@ -151,6 +151,7 @@ class _Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     accounted: list[tuple[int, torch.Tensor]]  # (entry index, the tensor the module computes with)
+    owned: list[tuple[str, torch.Tensor]]  # the module's own watched parameters at the forward, by name
     position: int  # of the output in the flattened outputs
     versions: list[tuple[torch.Tensor, int]]
     autocast: tuple[str, bool, torch.dtype] | None
@@ -167,9 +168,10 @@ METADATA = frozenset(
 
 
 def _function_name(func: object) -> str:
-    """A torch function's name; for an attribute read, the attribute's (`Tensor.shape.__get__` -> "shape")."""
+    """A torch function's name; for an attribute read or write, the attribute's (`Tensor.shape.__get__` ->
+    "shape", a wrapper setting `.grad` -> "grad")."""
     name = getattr(func, "__name__", None) or str(func)
-    if name == "__get__":
+    if name in ("__get__", "__set__", "__delete__"):
         owner = getattr(func, "__self__", None)
         name = getattr(owner, "__name__", None) or name
     return name
@@ -238,6 +240,10 @@ class LocalProbe:
         self.current: int | None = None  # the micro-batch running now (set by the caller)
         self.errors: list[str] = []  # the first few reruns that raised (their weights are not judged here)
         self._pending: dict[int, _Call] = {}  # by id: calls whose output's gradient has not come yet
+        # calls whose forward is running: (module, argument leaves, accounted, owned), innermost last
+        self._calls: list[
+            tuple[torch.nn.Module, list[object], list[Any], list[tuple[str, torch.Tensor]]]
+        ] = []
 
     # -- the forward ---------------------------------------------------------------------------------------
     def note_use(self, a: object, func: object) -> None:
@@ -263,8 +269,16 @@ class LocalProbe:
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.rerunning:
             return
-        for _, t in self._accounted(module, leaves((args, kwargs))):
+        flat = leaves((args, kwargs))
+        accounted = self._accounted(module, flat)
+        for _, t in accounted:
             self.active[id(t)] = self.active.get(id(t), 0) + 1
+        # what the call computes with, as its forward starts: a sharding wrapper's own hooks (FSDP2's, which
+        # run first) register the unsharded parameters before it and may put the shards back after it
+        owned = [
+            (name, p) for name, p in module._parameters.items() if p is not None and id(p) in self.weights
+        ]
+        self._calls.append((module, flat, accounted, owned))
 
     def _post(
         self,
@@ -275,8 +289,9 @@ class LocalProbe:
     ) -> None:
         if self.rerunning:
             return
-        flat = leaves((args, kwargs))
-        accounted = self._accounted(module, flat)
+        if not self._calls or self._calls[-1][0] is not module:  # a call that started before the hooks
+            return
+        _, flat, accounted, owned = self._calls.pop()
         for _, t in accounted:
             self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
         planned = [
@@ -307,6 +322,7 @@ class LocalProbe:
             args=args,
             kwargs=kwargs,
             accounted=planned,
+            owned=owned,
             position=outs[0],
             versions=[(a, a._version) for a in inputs],
             autocast=autocast,
@@ -330,7 +346,11 @@ class LocalProbe:
         return hook
 
     def _measure(self, call: _Call, dy: torch.Tensor) -> None:
-        if any(a._version != v for a, v in call.versions):
+        # its inputs as at the forward, and the parameters it computes with the same objects (a sharding
+        # wrapper may have swapped in another tensor since: a rerun would not move what it computes with)
+        if any(a._version != v for a, v in call.versions) or any(
+            call.module._parameters.get(name) is not p for name, p in call.owned
+        ):
             self.failed.update(i for i, _ in call.accounted)
             return
         sets: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -424,6 +444,7 @@ class LocalProbe:
             for call in self._pending.values():  # an output whose gradient never came: not judged
                 self.failed.update(i for i, _ in call.accounted)
             self._pending = {}
+            self._calls = []
             self.active = {}
 
     def complete(self, i: int) -> bool:

@@ -99,7 +99,7 @@ from maingrad.hooks.preflight.state import (
     fp8_state_pairs,
     fp8_tensors,
 )
-from maingrad.hooks.preflight.wrappers import Adapter, Entry, _is_dtensor, choose
+from maingrad.hooks.preflight.wrappers import Adapter, Entry, choose
 
 RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -365,16 +365,14 @@ class Check:
         self.local_on = (
             finite_differences
             and module_fd
-            and adapter.kind in ("plain", "megatron-ddp")
+            and adapter.kind in ("plain", "megatron-ddp", "fsdp2")
             and self.dist.world == 1
             and len(batches) > 1
         )
-        self.local_params = {
-            i: e.raw_param
-            for i, e in enumerate(entries)
-            if not _is_dtensor(e.raw_param) and e.raw_param.numel() == e.opt_param.numel()
-        }
-        self.local_weights = {id(t): i for i, t in self.local_params.items()}
+        # entry index -> the tensor its module computes with (set after the first run: FSDP2 creates its
+        # unsharded parameters at the first all-gather)
+        self.local_params: dict[int, torch.Tensor] = {}
+        self.local_weights: dict[int, int] = {}  # id(entry's raw parameter) -> entry index
         self.local_escapes: dict[int, str] = {}  # weights used outside their module's call: where
         self.local: dict[int, local.LocalVerdict] = {}  # per entry: the module-local verdict that judged it
         self.local_share: dict[int, float] = {}  # per entry: its share of its screened set's prediction
@@ -542,6 +540,26 @@ class Check:
             self.copy_dtypes.add(str(view.dtype))
         del flats, live
         self._zero()  # releases the wrapper's own G (Megatron-FSDP, plain .grad) while the weights move
+        if self.local_on:
+            self._find_local_tensors()
+
+    def _local_start(self, i: int) -> torch.Tensor:
+        """Weight i as its module computes with it (the start of a rerun's moves): the optimizer's target, cast
+        to the module tensor's dtype where a wrapper casts it for the forward (FSDP2's param_dtype)."""
+        t = self.adapter.target(self.entries[i])
+        dtype = self.local_params[i].dtype
+        return t if t.dtype == dtype else t.to(dtype)
+
+    def _find_local_tensors(self) -> None:
+        """The tensors the probed modules compute with, from the wrapper (after a run: FSDP2 creates its
+        unsharded parameters at the first all-gather), and the modules holding them."""
+        found = self.adapter.module_tensors()
+        self.local_params = {}
+        for i, (owner, t) in found.items():
+            if owner is not None:
+                self.owners[id(self.entries[i].raw_param)] = owner
+            self.local_params[i] = t
+        self.local_weights = {id(self.entries[i].raw_param): i for i in self.local_params}
 
     def singles(self) -> None:
         """The other micro-batches alone, each added into the copy (the sum of the singles, rounded once)."""
@@ -876,7 +894,7 @@ class Check:
             f = flats[i]
             if f is not None and single.get(i, 0.0) > 0 and math.isfinite(single[i]):
                 move = local.Move(h=h, direction=self.copy[i], label="", only=k)
-                self.refine_predicted[i] = local.prediction(self.adapter.target(self.entries[i]), move, f)
+                self.refine_predicted[i] = local.prediction(self._local_start(i), move, f)
             else:
                 move = local.Move(h=h, direction=self.copy[i], label="")
             self.refine_plan[i] = move
@@ -970,11 +988,7 @@ class Check:
                     continue
                 preds[i] = len(values)
                 early = predicted.get(i) if predicted else None
-                values.append(
-                    early
-                    if early is not None
-                    else local.prediction(self.adapter.target(self.entries[i]), move, g)
-                )
+                values.append(early if early is not None else local.prediction(self._local_start(i), move, g))
         host = stack_to_host(values)
         self.syncs += 1
         for (members, _), at in zip(sets, starts, strict=True):

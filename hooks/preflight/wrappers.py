@@ -146,12 +146,26 @@ class Adapter:
     def commit(self) -> None:
         """Make in-place edits of the targets visible to the next forward."""
 
+    def module_tensors(self) -> dict[int, tuple[torch.nn.Module | None, torch.Tensor]]:
+        """Per entry index: the module holding the parameter (None: look it up) and the tensor its forward
+        computes with, where that tensor holds the same elements as the gradient the optimizer reads (what the
+        module-local finite differences move and compare); here the parameter itself, unless it is sharded."""
+        return {
+            i: (None, e.raw_param)
+            for i, e in enumerate(self.entries)
+            if not _is_dtensor(e.raw_param) and e.raw_param.numel() == e.opt_param.numel()
+        }
+
 
 class Fsdp2Adapter(Adapter):
     """torch FSDP2 (`fully_shard`): DTensor parameters; gradients are reduce-scattered inside backward."""
 
     label = "torch FSDP2"
     kind = "fsdp2"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self._by_sharded: dict[int, Any] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -166,6 +180,46 @@ class Fsdp2Adapter(Adapter):
                 reshard()
 
     prepare = commit
+
+    def _fsdp_params(self) -> dict[int, Any]:
+        """FSDP2's per-parameter state (FSDPParam), by id of the sharded parameter, from each module's FSDP
+        state; empty where a torch keeps it differently (then nothing below uses it)."""
+        out: dict[int, Any] = {}
+        for module in self.model.modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            try:
+                group = state()._fsdp_param_group if callable(state) else None
+            except Exception:  # noqa: BLE001 - not an FSDP2 module after all
+                group = None
+            for fp in getattr(group, "fsdp_params", None) or []:
+                out[id(getattr(fp, "sharded_param", None))] = fp
+        return out
+
+    def compute_dtype(self, entry: Entry) -> torch.dtype:
+        """The mixed-precision policy's param_dtype (the all-gathered copy the forward computes with), else the
+        parameter's own dtype."""
+        if self._by_sharded is None:
+            self._by_sharded = self._fsdp_params()
+        dtype = getattr(self._by_sharded.get(id(entry.raw_param)), "param_dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else entry.raw_param.dtype
+
+    def module_tensors(self) -> dict[int, tuple[torch.nn.Module | None, torch.Tensor]]:
+        """The unsharded parameter FSDP2 registers on the module for its forward and backward (one object per
+        parameter, created at the first all-gather and refilled by every later one), where it exists yet and
+        has the sharded parameter's elements (a single rank: the shard is the whole tensor). A torch whose
+        state looks different gives none (the weights are then judged by the loss only, and the summary says
+        why)."""
+        by_id = {id(e.raw_param): i for i, e in enumerate(self.entries)}
+        out: dict[int, tuple[torch.nn.Module | None, torch.Tensor]] = {}
+        for key, fp in self._fsdp_params().items():
+            i = by_id.get(key)
+            unsharded = getattr(fp, "_unsharded_param", None)
+            owner = getattr(getattr(fp, "_module_info", None), "module", None)
+            if i is None or not isinstance(unsharded, torch.Tensor) or not isinstance(owner, torch.nn.Module):
+                continue
+            if unsharded.numel() == _local(self.entries[i].opt_param).numel():
+                out[i] = (owner, unsharded)
+        return out
 
 
 class MegatronDdpAdapter(Adapter):

@@ -62,6 +62,63 @@ def test_fsdp2(gloo: None) -> None:
     assert all(p.fd_scale == pytest.approx(2.0, rel=0.02) for p in doubled.params)
 
 
+def _scaled(name: str, factor: float, loss_fn: object = mse_loss) -> object:
+    """A run whose micro-batch contribution to one FSDP2 parameter's reduced gradient is multiplied."""
+
+    def run(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        p = dict(model.named_parameters())[name]
+        before = None if p.grad is None else p.grad.to_local().clone()
+        loss = loss_fn(model, batch)  # type: ignore[operator]
+        loss.backward()
+        g = p.grad.to_local()
+        g.add_(g - (0 if before is None else before), alpha=factor - 1)
+        return loss.detach()
+
+    return run
+
+
+def _mixed_mse(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    x, y = batch
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_fsdp2_weights_are_judged_on_their_modules(gloo: None, precision: str) -> None:
+    """Under FSDP2 the module computes with the unsharded parameter FSDP2 registers for the forward, not the
+    sharded one the gradient is read from: the module-local check moves the former and compares with the
+    latter, for a module inside the root's unit and for a module that is its own unit (whose shards are put
+    back after its forward). With a mixed-precision policy the forward computes in bf16 from fp32 shards:
+    no false alarm from the loss-level probe either."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    block = DenseBlock("plain", hidden=32)
+    batches = [(x.bfloat16(), y.bfloat16()) for x, y in dense_batches(3, hidden=32)]
+    if precision == "bf16":
+        block = block.bfloat16()
+        policy = MixedPrecisionPolicy()
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(block.mid, mp_policy=policy)
+    fully_shard(block, mp_policy=policy)
+    clean = preflight(block, _scaled("out.bias", 1.0, _mixed_mse), batches, loss_fn=_mixed_mse)
+    assert clean.ok, clean.table()
+    assert (
+        clean.local["on"]
+        and clean.local["verdicts"] == {"ok": clean.local["judged"]}
+        and clean.local["judged"]
+    )
+    for name in ("mid.weight", "out.bias", "inp.weight"):
+        result = preflight(block, _scaled(name, 3.0, _mixed_mse), batches, loss_fn=_mixed_mse)
+        assert {p.name: p.anomalies for p in result.params if p.anomalies} == {name: ["grad_scaled"]}, (
+            result.table()
+        )
+        target = next(p for p in result.params if p.name == name)
+        assert target.fd_probe == f"module {name.split('.')[0]}" and target.fd_scale == pytest.approx(
+            3.0, rel=0.02
+        )
+
+
 def test_torch_ddp(gloo: None) -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(DenseBlock("plain"))
