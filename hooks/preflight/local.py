@@ -195,6 +195,8 @@ def _watch(
     if (
         probe is not None
         and not probe.rerunning
+        and getattr(func, "__name__", "")
+        not in ("__set__", "__delete__")  # a wrapper rebinding .data or .grad
         and not torch.compiler.is_compiling()
         and torch._C._current_autograd_node() is None
     ):

@@ -365,7 +365,7 @@ class Check:
         self.local_on = (
             finite_differences
             and module_fd
-            and adapter.kind in ("plain", "megatron-ddp", "fsdp2")
+            and adapter.kind in ("plain", "megatron-ddp", "megatron-fsdp", "fsdp2")
             and self.dist.world == 1
             and len(batches) > 1
         )
@@ -555,9 +555,12 @@ class Check:
         unsharded parameters at the first all-gather), and the modules holding them."""
         found = self.adapter.module_tensors()
         self.local_params = {}
-        for i, (owner, t) in found.items():
+        for i, e in enumerate(self.entries):
+            owner, t = found.get(id(e.raw_param), (None, None))
+            if t is None:
+                continue
             if owner is not None:
-                self.owners[id(self.entries[i].raw_param)] = owner
+                self.owners[id(e.raw_param)] = owner
             self.local_params[i] = t
         self.local_weights = {id(self.entries[i].raw_param): i for i in self.local_params}
 

@@ -147,12 +147,15 @@ class Adapter:
         """Make in-place edits of the targets visible to the next forward."""
 
     def module_tensors(self) -> dict[int, tuple[torch.nn.Module | None, torch.Tensor]]:
-        """Per entry index: the module holding the parameter (None: look it up) and the tensor its forward
+        """Per entry (by id of its raw parameter): the module holding the parameter (None: look it up) and the tensor its forward
         computes with, where that tensor holds the same elements as the gradient the optimizer reads (what the
-        module-local finite differences move and compare); here the parameter itself, unless it is sharded."""
+        module-local finite differences move and compare); here the module's parameter itself, unless it is
+        sharded (Megatron DDP; Megatron-FSDP, which puts the module's own parameter back for the forward and
+        the backward and keeps it whole on a single rank)."""
+        modules = {normalize_name(path): module for path, module in self.model.named_modules()}
         return {
-            i: (None, e.raw_param)
-            for i, e in enumerate(self.entries)
+            id(e.raw_param): (modules.get(e.module), e.raw_param)
+            for e in self.entries
             if not _is_dtensor(e.raw_param) and e.raw_param.numel() == e.opt_param.numel()
         }
 
@@ -218,7 +221,7 @@ class Fsdp2Adapter(Adapter):
             if i is None or not isinstance(unsharded, torch.Tensor) or not isinstance(owner, torch.nn.Module):
                 continue
             if unsharded.numel() == _local(self.entries[i].opt_param).numel():
-                out[i] = (owner, unsharded)
+                out[key] = (owner, unsharded)
         return out
 
 

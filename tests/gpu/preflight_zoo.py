@@ -131,6 +131,7 @@ ZOO: list[Case] = [
     upstream("moe8-dropless-fsdp-noshard", Model(**MOE), "embedding.word_embeddings.weight"),
     Case("torchgpt-fsdp2-bf16", Model(layers=6, hidden=512, heads=8, spec="torch"), "fsdp2"),
     Case("torchgpt-fsdp2-fp32", Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"), "fsdp2"),
+    Case("torchgpt-fsdp2-mixed", Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"), "fsdp2:mixed"),
     Case(
         "torchgpt-plain-fp32",
         Model(layers=4, hidden=256, heads=4, spec="torch", dtype="fp32", vocab=8000),
@@ -168,6 +169,12 @@ BUGS: list[Case] = [
     bug("bug-fsdp2-x3", "x3", "layers.2.mlp.0.weight", "grad_scaled",
         model=Model(layers=6, hidden=512, heads=8, spec="torch"), wrapper="fsdp2"),
     bug("bug-fsdp-noshard-x0.5", "x0.5", f"{L}.10.mlp.linear_fc2.weight", "grad_scaled", wrapper="fsdp:no_shard"),
+    bug("bug-fsdp2-mixed-x0.5", "x0.5", "layers.4.mlp.2.weight", "grad_scaled",
+        model=Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"), wrapper="fsdp2:mixed"),
+    bug("bug-fsdp-ogp-x2", "x2", f"{L}.6.self_attention.linear_proj.weight", "grad_scaled",
+        model=Model(**{**GPT125, "fusion": False}), wrapper="fsdp:optim_grads_params"),
+    bug("bug-fsdp-optim-dropped", "drop", f"{L}.9.mlp.linear_fc1.weight", "grad_lost",
+        model=Model(**{**GPT125, "fusion": False}), wrapper="fsdp:optim"),
     bug("bug-541m-overwrite", "overwrite", f"{L}.4.mlp.linear_fc2.weight", "grad_overwritten", model=Model(**GPT541)),
 ]  # fmt: skip
 CASES = {c.name: c for c in ZOO + BUGS}
@@ -260,12 +267,15 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
         net = TorchGPT(m).cuda()
         if m.dtype == "bf16":
             net = net.to(torch.bfloat16)
-        if case.wrapper == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
+        if case.wrapper in ("fsdp2", "fsdp2:mixed"):
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            policy = MixedPrecisionPolicy()
+            if case.wrapper == "fsdp2:mixed":  # fp32 shards, a bf16 forward and backward, fp32 reduction
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for layer in net.layers:
-                fully_shard(layer)
-            fully_shard(net)
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(net, mp_policy=policy)
         return net, None
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
