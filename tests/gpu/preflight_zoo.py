@@ -131,7 +131,11 @@ ZOO: list[Case] = [
     upstream("moe8-dropless-fsdp-noshard", Model(**MOE), "embedding.word_embeddings.weight"),
     Case("torchgpt-fsdp2-bf16", Model(layers=6, hidden=512, heads=8, spec="torch"), "fsdp2"),
     Case("torchgpt-fsdp2-fp32", Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"), "fsdp2"),
-    Case("torchgpt-fsdp2-mixed", Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"), "fsdp2:mixed"),
+    Case(
+        "torchgpt-fsdp2-mixed",
+        Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"),
+        "fsdp2:mixed",
+    ),
     Case(
         "torchgpt-plain-fp32",
         Model(layers=4, hidden=256, heads=4, spec="torch", dtype="fp32", vocab=8000),
