@@ -63,6 +63,7 @@ from maingrad.contracts.anomalies import PREFLIGHT_ANOMALIES
 from maingrad.hooks.preflight import judge, local
 from maingrad.hooks.preflight.measure import (
     E_MAX,
+    FD_CHUNK,
     STEP0,
     STEP_MAX,
     SUBSET,
@@ -72,6 +73,7 @@ from maingrad.hooks.preflight.measure import (
     Estimate,
     Stats,
     Subsets,
+    chunks,
     copies,
     copy_dtype,
     flat,
@@ -665,6 +667,10 @@ class Check:
             self.synced, self.uninstalled = False, True  # the weights move from here on
             with torch.no_grad():
                 batched: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[int, int]]] = {}
+                same: dict[
+                    tuple[torch.device, torch.dtype, torch.dtype],
+                    list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                ] = {}
                 for j, (i, t) in enumerate(zip(indexes, targets, strict=True)):
                     g = grads[i]
                     if (isinstance(delta, _Along) or getattr(delta, "__func__", None) is _Moves.jitter) and (
@@ -693,16 +699,13 @@ class Check:
                         continue
                     cdt = adapter.compute_dtype(self.entries[i])
                     if cdt == t.dtype:
-                        # two nearby numbers of one format differ by a number of that format (Sterbenz): the
-                        # move as the forward sees it, in t's own dtype, without fp32 copies of both
-                        moved = torch.sub(t, old).reshape(-1)
-                    else:
-                        moved = (t.to(cdt).float() - old.to(cdt).float()).reshape(-1)
-                    # fp32 accumulation (a tree reduction) unless the model is fp64: an fp64 sum would first
-                    # cast the whole product (8 bytes per element more traffic, one more kernel per weight)
-                    acc = torch.float64 if moved.dtype == torch.float64 else torch.float32
-                    parts.append(torch.sum(moved * g, dtype=acc))
+                        same.setdefault((t.device, t.dtype, g.dtype), []).append((t, old, g.view(t.shape)))
+                        continue
+                    moved = (t.to(cdt).float() - old.to(cdt).float()).reshape(-1)
+                    parts.append(torch.sum(moved * g, dtype=torch.float32))
                     del moved
+                for (_, dtype, _), items in same.items():
+                    parts += self._predictions(items, dtype)
             self._commit()
             loss = self._loss(self.batches[self.fd_batches[0]])
             for b in self.fd_batches[1:]:
@@ -746,6 +749,32 @@ class Check:
         products = _TORCH._foreach_mul(_TORCH._foreach_sub(ts, olds), gs)
         acc = torch.float64 if ts[0].dtype == torch.float64 else torch.float32
         return torch.cat([p.reshape(-1) for p in products]).sum(dtype=acc)
+
+    @staticmethod
+    def _predictions(
+        items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """<G, move> summed over weights (moved, saved start, gradient) of one dtype the forward computes in,
+        a group of up to 2 x FD_CHUNK elements at a time (bounded scratch): multi-tensor launches instead of
+        three per weight. Two nearby numbers of one format differ by a number of that format (Sterbenz): the
+        move as the forward sees it, in the weight's own dtype, without fp32 copies of both. Accumulated in
+        fp32 (a tree reduction) unless the model is fp64: an fp64 sum would first cast the whole product."""
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        out: list[torch.Tensor] = []
+        for group in chunks(
+            list(range(len(items))), [items[k][0].numel() for k in range(len(items))], 2 * FD_CHUNK
+        ):
+            moved = _TORCH._foreach_sub([items[k][0] for k in group], [items[k][1] for k in group])
+            products = _TORCH._foreach_mul(moved, [items[k][2] for k in group])
+            del moved
+            flat = (
+                products[0].reshape(-1)
+                if len(products) == 1
+                else torch.cat([p.reshape(-1) for p in products])
+            )
+            del products
+            out.append(flat.sum(dtype=acc))
+        return out
 
     def _jitter_small(
         self,
@@ -1008,23 +1037,25 @@ class Check:
                 continue  # one of them lost its gradient: left to the loss-level probes (fd_left)
             total = sum(abs(v) for v in p.values())
             shares = {i: abs(p.get(i, 0.0)) / total if total > 0 else 0.0 for i in members}
-            if screening and (
-                verdict.verdict == "unknown"
-                or (
-                    verdict.verdict == "ok"
-                    and len(members) > 1
-                    and any(s <= 0 or (floor + (verdict.error or 0.0)) / s >= UNSURE for s in shares.values())
-                )
-            ):
-                # judged again in the sequence, weight by weight, along the aligned direction
-                self.local_unsure.extend(members)
-                continue
+            loose: list[
+                int
+            ] = []  # judged again in the sequence, weight by weight, along the aligned direction
+            if screening and verdict.verdict == "unknown":
+                loose = list(members)
+            elif screening and verdict.verdict == "ok" and len(members) > 1:
+                # the set passed: a weight with a share s is bounded within 1 + band / s; only those bounded
+                # more loosely than x(1 + UNSURE) are judged again (the others keep the set's verdict)
+                band = floor + (verdict.error or 0.0)
+                loose = [i for i in members if shares[i] <= 0 or band / shares[i] >= UNSURE]
+            self.local_unsure.extend(loose)
             if verdict.verdict == "unknown":
-                self.local_not_judged.setdefault("below the output's rounding", set()).update(members)
+                if not screening:
+                    self.local_not_judged.setdefault("below the output's rounding", set()).update(members)
                 continue
             for i in members:
-                self.local[i] = verdict
-                self.local_share[i] = shares[i]
+                if i not in loose:
+                    self.local[i] = verdict
+                    self.local_share[i] = shares[i]
 
     def apply_local(self) -> None:
         """The module-local verdicts over the loss-level ones: a failure is a failure; an ok bounds what the
