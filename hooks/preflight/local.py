@@ -132,6 +132,8 @@ class Sums:
 
     measured: list[torch.Tensor] = field(default_factory=list)  # <dy, y(+h) - y(-h)> per call
     variance: list[torch.Tensor] = field(default_factory=list)  # of the output rounding in it
+    # 2: central differences; 1: forward differences against the forward's own output (`one_sided`)
+    sides: set[int] = field(default_factory=set)
 
 
 def leaves(obj: object) -> list[object]:
@@ -155,6 +157,7 @@ class _Call:
     position: int  # of the output in the flattened outputs
     versions: list[tuple[torch.Tensor, int]]
     autocast: tuple[str, bool, torch.dtype] | None
+    held: tuple[torch.Tensor, int] | None = None  # the forward's output and its version (`one_sided`)
 
 
 # what a weight is asked without computing with it: not a use
@@ -227,9 +230,18 @@ class LocalProbe:
     module parameter's id to its entry index; only planned entries move."""
 
     def __init__(
-        self, model: torch.nn.Module, params: dict[int, torch.Tensor], plan: dict[int, Move]
+        self,
+        model: torch.nn.Module,
+        params: dict[int, torch.Tensor],
+        plan: dict[int, Move],
+        one_sided: bool = False,
     ) -> None:
         self.model = model
+        # a weight moved alone is measured against the output its call's forward computed (kept until its
+        # gradient comes, while nothing writes it in place): one rerun instead of two. The module is affine
+        # in each parameter alone, so y(w + h d) - y(w) is exact up to rounding; not for a set moved together
+        # (LayerNorm weight and linear weight: a product of two moves)
+        self.one_sided = one_sided
         self.params = params  # entry index -> the module's parameter
         self.weights = {id(t): i for i, t in params.items()}
         self.plan = plan
@@ -319,6 +331,8 @@ class LocalProbe:
         autocast = None
         if torch.is_autocast_enabled(device):
             autocast = (device, True, torch.get_autocast_dtype(device))
+        alone = [i for i, _ in planned if i not in self.escaped]
+        held = (out, out._version) if self.one_sided and len(alone) == 1 else None
         call = _Call(
             module=module,
             args=args,
@@ -328,6 +342,7 @@ class LocalProbe:
             position=outs[0],
             versions=[(a, a._version) for a in inputs],
             autocast=autocast,
+            held=held,
         )
         self._pending[id(call)] = call
         out.register_hook(self._on_grad(call))
@@ -343,7 +358,7 @@ class LocalProbe:
                     self.errors.append(f"{type(call.module).__name__}: {type(exc).__name__}: {exc}"[:300])
             finally:
                 self._pending.pop(id(call), None)
-                call.args, call.kwargs = (), {}
+                call.args, call.kwargs, call.held = (), {}, None
 
         return hook
 
@@ -363,16 +378,24 @@ class LocalProbe:
             sets.setdefault(label or f"alone {i}", []).append((i, t))
         for members in sets.values():
             key = tuple(sorted(i for i, _ in members))
-            value, var = self._rerun(call, members, dy)
+            held = call.held
+            base = held[0] if held is not None and len(members) == 1 and held[0]._version == held[1] else None
+            value, var = self._rerun(call, members, dy, base)
             sums = self.sums.setdefault(key, Sums())
             sums.measured.append(value)
             sums.variance.append(var)
+            sums.sides.add(1 if base is not None else 2)
 
     def _rerun(
-        self, call: _Call, members: list[tuple[int, torch.Tensor]], dy: torch.Tensor
+        self,
+        call: _Call,
+        members: list[tuple[int, torch.Tensor]],
+        dy: torch.Tensor,
+        base: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """<dy, y(w + h d) - y(w - h d)> and the variance of its output rounding; the weights restored bit for
-        bit (through .data: their version counters, which autograd checks, do not move)."""
+        """<dy, y(w + h d) - y(w - h d)>, or <dy, y(w + h d) - base> where `base` is the forward's own output,
+        and the variance of its output rounding; the weights restored bit for bit (through .data: their version
+        counters, which autograd checks, do not move)."""
         starts = [t.data.clone() for _, t in members]
         directions = [self.plan[i].along(t) for i, t in members]  # a random one drawn once for both signs
         outs: list[torch.Tensor] = []
@@ -382,7 +405,7 @@ class LocalProbe:
         self.rerunning = True
         try:
             with torch.no_grad(), ctx:
-                for sign in (1.0, -1.0):
+                for sign in (1.0,) if base is not None else (1.0, -1.0):
                     for (i, t), start, d in zip(members, starts, directions, strict=True):
                         move_into(t.data, start, d, sign * self.plan[i].h)
                     out = call.module.forward(*call.args, **call.kwargs)
@@ -393,7 +416,7 @@ class LocalProbe:
             for (_, t), start in zip(members, starts, strict=True):
                 t.data.copy_(start)
             self.rerunning = False
-        plus, minus = outs
+        plus, minus = outs if base is None else (outs[0], base.detach())
         u = float(torch.finfo(plus.dtype).eps) / 2 if plus.dtype.is_floating_point else 0.0
         g = dy.detach().reshape(-1)
         p, m = plus.reshape(-1), minus.reshape(-1)
@@ -453,14 +476,15 @@ class LocalProbe:
         return i not in self.escaped and i not in self.failed
 
 
-def prediction(start: torch.Tensor, move: Move, grad: torch.Tensor) -> torch.Tensor:
-    """<reported gradient, the weight's move from -h to +h> with the moves rounded exactly as the hook rounded
-    them (an fp64 scalar on the device; fp32 scratch of CHUNK elements)."""
+def prediction(start: torch.Tensor, move: Move, grad: torch.Tensor, sides: int = 2) -> torch.Tensor:
+    """<reported gradient, the weight's move from -h to +h> (from the start to +h: `sides` 1) with the moves
+    rounded exactly as the hook rounded them (an fp64 scalar on the device; fp32 scratch of CHUNK elements)."""
     d, s, g = move.along(start).reshape(-1), start.reshape(-1), grad.reshape(-1)
     total: torch.Tensor | None = None
     for a in range(0, s.numel(), CHUNK):
         base, step = s[a : a + CHUNK], d[a : a + CHUNK]
-        diff = _moved(base, step, move.h).float().sub_(_moved(base, step, -move.h))  # exact in fp32
+        low = base if sides == 1 else _moved(base, step, -move.h)
+        diff = _moved(base, step, move.h).float().sub_(low)  # exact in fp32
         part = torch.dot(diff, g[a : a + CHUNK].float()).double()
         total = part if total is None else total + part
     return total if total is not None else torch.zeros((), device=s.device, dtype=torch.float64)

@@ -899,7 +899,7 @@ class Check:
                 plan[i] = local.Move(h=eps[i] * self.sizes[i] / self.gnorms[i], direction=self.copy[i])
         if not plan:
             return None
-        return local.LocalProbe(self.model, self.local_params, plan)
+        return local.LocalProbe(self.model, self.local_params, plan, one_sided=True)
 
     def _plan_refinement(self, flats: list[torch.Tensor | None], k: int) -> None:
         """After the last single (the copy now the sum of the singles, S): the moves of the weights to judge
@@ -988,6 +988,10 @@ class Check:
         sets = []
         for keys in components.values():
             members = tuple(sorted({i for key in keys for i in key}))
+            if len({n for key in keys for n in probe.sums[key].sides}) > 1:
+                # some calls against the forward's own output, others central: no one move to predict with
+                self.local_not_judged.setdefault("its module could not be rerun", set()).update(members)
+                continue
             if all(probe.complete(i) for i in members):
                 sets.append((members, keys))
         return sets
@@ -1013,6 +1017,7 @@ class Check:
             starts.append(len(values))
             values.append(torch.stack([v for key in keys for v in probe.sums[key].measured]).sum())
             values.append(torch.stack([v for key in keys for v in probe.sums[key].variance]).sum())
+            sides = {n for key in keys for n in probe.sums[key].sides}
             for i in members:
                 g = reported[i]
                 move = probe.plan[i]
@@ -1020,7 +1025,11 @@ class Check:
                     continue
                 preds[i] = len(values)
                 early = predicted.get(i) if predicted else None
-                values.append(early if early is not None else local.prediction(self._local_start(i), move, g))
+                values.append(
+                    early
+                    if early is not None
+                    else local.prediction(self._local_start(i), move, g, sides=min(sides))
+                )
         host = stack_to_host(values)
         self.syncs += 1
         for (members, _), at in zip(sets, starts, strict=True):

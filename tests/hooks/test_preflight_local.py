@@ -8,11 +8,12 @@ not probed; nothing is left behind (weights bit for bit, no hook, its class back
 
 from __future__ import annotations
 
+import pytest
 import torch
 from preflight_zoo import cross_entropy, microbatch, mse, regression_batches, token_batches
 from torch import nn
 
-from maingrad.hooks.preflight.local import LocalProbe, Move, probed_kind
+from maingrad.hooks.preflight.local import LocalProbe, Move, prediction, probed_kind
 from maingrad.hooks.preflight.run import preflight
 
 
@@ -177,3 +178,50 @@ def test_the_reruns_leave_the_backward_unchanged() -> None:
         assert probe.reruns > 0 and not probe.failed
         for n, p in model.named_parameters():
             assert torch.equal(p.grad, plain[n]), (dtype, n)
+
+
+class _Chain(nn.Module):
+    """Bias-free Linears in a chain: each weight is its call's only weight (measured against the call's own
+    output); `in_place`: the first output is then written in place (relu_), so it is no longer what the
+    forward gave."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.a = nn.Linear(12, 48, bias=False)
+        self.b = nn.Linear(48, 48, bias=False)
+        self.c = nn.Linear(48, 48, bias=False)
+        self.d = nn.Linear(48, 12, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.relu_(h) if self.in_place else torch.relu(h)
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(h)))))
+
+
+def test_a_weight_alone_is_measured_against_its_own_output_unless_it_was_overwritten() -> None:
+    """One rerun instead of two where a weight is its call's only moved weight and the call's output is still
+    what the forward computed (a forward difference: the module is affine in that weight); two (a central
+    difference) where the output was written in place since. Either way the measurement is the true
+    directional derivative through the module, <autograd's gradient, the move>."""
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        model = _Chain(in_place).double()
+        x = torch.randn(16, 12, dtype=torch.float64)
+        weights = {0: model.a.weight, 1: model.c.weight}
+        plan = {
+            i: Move(h=0.01, direction=torch.randn(w.numel(), dtype=torch.float64)) for i, w in weights.items()
+        }
+        starts = {i: w.detach().clone() for i, w in weights.items()}
+        probe = LocalProbe(model, weights, plan, one_sided=True)
+        with probe.watching():
+            probe.current = 0
+            model(x).pow(2).sum().backward()
+        assert probe.reruns == (3 if in_place else 2)
+        for i, w in weights.items():
+            sums = probe.sums[(i,)]
+            sides = 2 if (in_place and i == 0) else 1
+            assert sums.sides == {sides}
+            predicted = prediction(starts[i], plan[i], w.grad, sides=sides)
+            assert float(sums.measured[0]) == pytest.approx(float(predicted), rel=1e-5)  # an fp32 dot
+            assert torch.equal(w.detach(), starts[i])  # restored bit for bit
