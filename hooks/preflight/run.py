@@ -86,7 +86,6 @@ from maingrad.hooks.preflight.measure import (
     leaf_pattern,
     norm,
     norms,
-    shaped,
     some,
     stack_to_host,
     to_device,
@@ -673,18 +672,16 @@ class Check:
                 ] = {}
                 for j, (i, t) in enumerate(zip(indexes, targets, strict=True)):
                     g = grads[i]
-                    if (isinstance(delta, _Along) or getattr(delta, "__func__", None) is _Moves.jitter) and (
-                        g is not None
+                    if (
+                        isinstance(delta, _Along)
+                        and g is not None
                         and g.numel() == t.numel() <= SMALL_MOVE
                         and adapter.compute_dtype(self.entries[i]) == t.dtype
                     ):
                         batched.setdefault((t.device, t.dtype, g.dtype), []).append((j, i))
                 done = {j for members in batched.values() for j, _ in members}
                 for members in batched.values():
-                    if isinstance(delta, _Along):
-                        parts.append(self._move_small(members, targets, saved, grads, delta, sign))
-                    else:
-                        parts.append(self._jitter_small(members, targets, saved, grads, sign))
+                    parts.append(self._move_small(members, targets, saved, grads, cast(_Along, delta), sign))
                 for j, (i, t, old) in enumerate(zip(indexes, targets, saved, strict=True)):
                     if j in done:
                         continue
@@ -775,36 +772,6 @@ class Check:
             del products
             out.append(flat.sum(dtype=acc))
         return out
-
-    def _jitter_small(
-        self,
-        members: list[tuple[int, int]],
-        targets: list[torch.Tensor],
-        saved: list[torch.Tensor],
-        grads: list[torch.Tensor | None],
-        sign: float,
-    ) -> torch.Tensor:
-        """The noise's jitter (`_Moves.jitter`: +-2 units of round-off of each element, exact in the weight's
-        dtype) on small weights of one device and dtype at once: one draw for all of them (seeded, the same at
-        + and -) and multi-tensor launches instead of nine per weight; <G, move> over all of them."""
-        ts = [targets[j] for j, _ in members]
-        olds = [saved[j] for j, _ in members]
-        gs = [cast(torch.Tensor, grads[i]).view(targets[j].shape) for j, i in members]
-        t0 = ts[0]
-        gen = torch.Generator(device=t0.device)
-        gen.manual_seed(7919 + members[0][1])
-        u = unit_roundoff(t0.dtype)  # the compute dtype: the bucket holds weights computed in their own dtype
-        draw = torch.randint(
-            0, 2, (sum(t.numel() for t in ts),), generator=gen, device=t0.device, dtype=t0.dtype
-        )
-        draw.mul_(4 * u).sub_(2 * u)
-        ds = shaped(draw, ts)
-        _TORCH._foreach_mul_(ds, _TORCH._foreach_abs(olds))
-        _TORCH._foreach_add_(ts, ds, alpha=sign)
-        del ds, draw
-        products = _TORCH._foreach_mul(_TORCH._foreach_sub(ts, olds), gs)
-        acc = torch.float64 if t0.dtype == torch.float64 else torch.float32
-        return torch.cat([p.reshape(-1) for p in products]).sum(dtype=acc)
 
     # -- finite differences -------------------------------------------------------------------------------------
     def fd(self) -> None:
