@@ -142,6 +142,9 @@ class _Node:
         self.parent: _Node | None = None
         self.sibling: _Node | None = None
         self.inferred: set[float] = set()  # steps whose levels are the parent's minus the sibling's
+        # an ancestor's reliable estimate is within a single parameter's tolerance: each weight here is bounded
+        # by it (`resolution`), so where this probe's own estimate does not check itself that bound stands
+        self.bounded = False
 
     @property
     def zero(self) -> bool:
@@ -1281,7 +1284,7 @@ class Check:
             return self._set(node, "inconclusive")
         if est.ratio is None:
             probe.reason = est.reason
-            return self._set(node, "inconclusive")
+            return self._unsure(node)
         r, err = est.ratio, cast(float, est.error)
         probe.scale = 1 / r if r != 0 else math.inf
         ltol = math.log1p(node.tol)
@@ -1290,9 +1293,9 @@ class Check:
                 probe.reason = f"true / reported {r:.3g}: the reported gradient points the wrong way"
                 return self._split(node, est) if multi else self._set(node, "wrong")
             probe.reason = est.reason
-            if multi and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
+            if multi and not node.bounded and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
                 return self._split(node, est)
-            return self._set(node, "inconclusive")
+            return self._unsure(node)
         dev = abs(math.log(r))
         if est.reliable:
             # exact blame: a group deviating by more than one error bar is bisected; a parameter alone is judged
@@ -1304,16 +1307,19 @@ class Check:
                 if dev <= band + 1e-9:
                     self._resolve(node, cast(float, est.step), band)
                     return self._set(node, "ok")
+                if dev <= ltol + 3 * err:  # what a parameter alone would pass: its weights are bounded by it
+                    self._resolve(node, cast(float, est.step), ltol + 3 * err)
+                    return self._split(node, est, bounded=True)
                 return self._split(node, est)
             if dev <= ltol + 3 * err:
                 self.resolution[node.indexes[0]] = 1 + ltol + 3 * err
                 return self._set(node, "ok")
         elif not est.off:  # never a verdict from an estimate that did not check itself
             probe.reason = est.reason
-            # smaller parts may be linear at a larger step
-            if multi and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
+            # smaller parts may be linear at a larger step (not needed where a group above bounds them)
+            if multi and not node.bounded and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
                 return self._split(node, est)
-            return self._set(node, "inconclusive")
+            return self._unsure(node)
         if multi:
             return self._split(node, est)
         scale = 1 / r
@@ -1340,11 +1346,22 @@ class Check:
             if share > 0:
                 self.resolution[i] = 1 + band / share
 
+    def _unsure(self, node: _Node) -> list[tuple[_Node, float]]:
+        """No estimate of its own that checks itself: `inconclusive`, unless a group above it passed within a
+        single parameter's tolerance, whose bound on each weight (fd_resolution, from its shares) then stands
+        as the verdict: `ok` within that bound (a loose one is listed as weakly checked), not a claim more."""
+        if node.bounded:
+            node.probe.reason = (
+                f"bounded by a group above it ({node.probe.reason})" if node.probe.reason else ""
+            )
+            return self._set(node, "ok")
+        return self._set(node, "inconclusive")
+
     def _set(self, node: _Node, verdict: str) -> list[tuple[_Node, float]]:
         node.probe.verdict = verdict
         return []
 
-    def _split(self, node: _Node, est: Estimate) -> list[tuple[_Node, float]]:
+    def _split(self, node: _Node, est: Estimate, bounded: bool = False) -> list[tuple[_Node, float]]:
         """Two halves: a combined probe's groups in two sets (down to one group each), a group's parameters in
         two halves. The first half is evaluated at the parent's two accepted steps, the second inferred from
         the parent minus the first (the directional derivative is linear in the direction)."""
@@ -1367,6 +1384,7 @@ class Check:
             right = self._node(f"{key}[{depth}b]", node.indexes[half:], zero, depth)
             left.halvings = right.halvings = node.halvings + 1
         left.parent = right.parent = node
+        left.bounded = right.bounded = bounded or node.bounded
         left.sibling, right.sibling = right, left
         steps = est.pair or (cast(float, est.step) * 2, cast(float, est.step))
         right.inferred = set(steps)

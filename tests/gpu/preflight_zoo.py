@@ -359,6 +359,16 @@ class Injector:
             names = [short(n) for n, _ in model.named_parameters()]
             raise SystemExit(f"{case.name}: no parameter {case.target!r}; e.g. {names[:8]}")
         self.param = found[0][1]
+        # Megatron-FSDP: between steps the wrapper's parameters are DTensors and the module's own parameter
+        # (raw_param) carries main_grad only while a bucket is being reduced; the gradient buffer's view for
+        # the parameter (get_main_grad, whole on a single rank) is where every micro-batch accumulates
+        self.raw: Any = None
+        for obj in (model, getattr(model, "module", None)):
+            raw_params = getattr(obj, "raw_param", None)
+            if isinstance(raw_params, dict):
+                self.raw = next((p for n, p in raw_params.items() if short(n) == case.target), None)
+                if self.raw is not None:
+                    break
         self.backwards = 0  # every backward since the injector was made
         self.position = 0  # backwards since the last zeroing
         self.fired = 0
@@ -387,6 +397,11 @@ class Injector:
             model.zero_grad = zero_grad  # type: ignore[method-assign]
 
     def _buffer(self) -> torch.Tensor | None:
+        get = getattr(self.raw, "get_main_grad", None)
+        if callable(get):
+            view = get()
+            if isinstance(view, torch.Tensor):
+                return view
         mg = getattr(self.param, "main_grad", None)
         if isinstance(mg, torch.Tensor):
             return mg
