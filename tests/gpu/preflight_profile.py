@@ -1,17 +1,32 @@
-"""Where a preflight call's time goes on one GPU (diagnostic, not a test): the wrapper's own calls timed alone,
-then one preflight call under torch.profiler, its ops sorted by CPU and by CUDA time.
+"""Where a preflight call's time goes on one GPU (diagnostic, not a test).
 
-    PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19:tests/gpu/stub python3 tests/gpu/preflight_profile.py gpt541m-untied-ddp-bf16
+    PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19:$PWD/tests/gpu/stub python3 tests/gpu/preflight_profile.py [case]
+
+Prints (lines starting PROFILE): a loss forward, a forward+backward and a training step of the case, timed
+alone; then one call with and one without the module-local check, each phase of the call timed with the
+device synchronized around it (so the phases add up to a little more than an unprofiled call), with the
+module-local screening's and refinement's rerun counts and the weights the screening left loosely bounded;
+then the call under cProfile (the call is CPU-bound: the Python and launch time is the cost), sorted by
+cumulative time over maingrad's functions and by own time over everything.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import preflight_zoo as zoo
 import torch
+
+PHASES = [
+    "first", "singles", "sequence", "repeat", "fd", "fd_rest", "fd_left", "_first_steps", "_evaluate", "_loss",
+    "_screening", "_plan_refinement", "_refinement", "_judge_local",
+]  # fmt: skip
 
 
 def clock(call: Callable[[], Any], n: int = 5) -> float:
@@ -21,40 +36,78 @@ def clock(call: Callable[[], Any], n: int = 5) -> float:
 
 def main() -> None:
     import maingrad.hooks
-    from maingrad.hooks.preflight.wrappers import choose
+    from maingrad.hooks.preflight import run as pr
 
     zoo.setup_distributed()
     case = zoo.CASES[sys.argv[1] if len(sys.argv) > 1 else "gpt541m-untied-ddp-bf16"]
     model, _cfg = zoo.build(case)
     data = zoo.make_batches(case)
-    adapter = choose(model, "auto")
-    zoo.run_microbatch(model, data[0])
-    print(f"PROFILE zero {clock(adapter.zero):.2f} ms, finish {clock(adapter.finish):.2f} ms, "
-          f"prepare {clock(adapter.prepare):.2f} ms, commit {clock(adapter.commit):.2f} ms", flush=True)  # fmt: skip
-    with torch.no_grad():
-        print(f"PROFILE forward {clock(lambda: zoo.loss_fn(model, data[0])):.2f} ms", flush=True)
-    print(f"PROFILE forward+backward {clock(lambda: zoo.run_microbatch(model, data[0])):.2f} ms", flush=True)
+    run = zoo.run_microbatch if not case.bug else zoo.Injector(model, case).wrap(zoo.run_microbatch)
+    optimizer = zoo.make_optimizer(model, case.model)
 
-    def call(module_fd: bool = True) -> Any:
-        return maingrad.hooks.preflight(
-            model, zoo.run_microbatch, data, loss_fn=zoo.loss_fn, module_fd=module_fd
-        )
+    def step() -> None:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        for batch in data:
+            run(model, batch)
+        model.finish_grad_sync()
+        optimizer.step()
+
+    with torch.no_grad():
+        print(f"PROFILE forward {clock(lambda: zoo.loss_fn(model, data[0])):.1f} ms", flush=True)
+    print(f"PROFILE forward+backward {clock(lambda: run(model, data[0])):.1f} ms", flush=True)
+    print(f"PROFILE training step {clock(step):.1f} ms", flush=True)
+
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                torch.cuda.synchronize()
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    for name in PHASES:
+        setattr(pr.Check, name, timed(name, getattr(pr.Check, name)))
+    judge_local = pr.Check._judge_local
+
+    def counted(self: Any, probe: Any, reported: Any, screening: bool, predicted: Any = None) -> None:  # noqa: ANN401
+        judge_local(self, probe, reported, screening, predicted)
+        loose = [self.entries[i].name for i in self.local_unsure] if screening else []
+        print(f"PROFILE {'screening' if screening else 'refinement'}: {probe.reruns} reruns, {len(probe.plan)} "
+              f"weights planned, {len(probe.escaped)} used outside their call; loosely bounded: {loose}", flush=True)  # fmt: skip
+
+    pr.Check._judge_local = counted
+
+    def call(module_fd: bool = True) -> Any:  # noqa: ANN401
+        return maingrad.hooks.preflight(model, run, data, loss_fn=zoo.loss_fn, module_fd=module_fd)
 
     call()
-    for _ in range(3):  # interleaved: with and without the module-local finite differences
-        for on in (True, False):
-            print(f"PROFILE preflight module_fd={on} {clock(lambda on=on: call(on), 3):.1f} ms", flush=True)
-    print(
-        f"PROFILE parts {call().cost['seconds_by_part']} / {call(False).cost['seconds_by_part']}", flush=True
-    )
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        result = call()
+    call(False)
+    for on in (True, False):
+        spent.clear()
         torch.cuda.synchronize()
-    print(result.cost, flush=True)
-    table = prof.key_averages()
-    print(table.table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
-    print(table.table(sort_by="self_cuda_time_total", row_limit=30), flush=True)
+        t0 = time.perf_counter()
+        result = call(on)
+        torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) * 1e3
+        phases = " ".join(f"{k}={v * 1e3:.1f}" for k, v in spent.items())
+        print(f"PROFILE module_fd={on} {total:.1f} ms ({result.status}): {phases}", flush=True)
+        print(f"PROFILE cost {result.cost}", flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    call()
+    torch.cuda.synchronize()
+    profiler.disable()
+    for sort, restrict in (("cumulative", ("maingrad", 60)), ("tottime", (50,))):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats(sort).print_stats(*restrict)
+        print(out.getvalue(), flush=True)
 
 
 if __name__ == "__main__":
