@@ -18,7 +18,9 @@ What the comparison rests on, and how each is checked before a verdict:
   weight used anywhere else (a skipped bias returned to the caller, a weight tied by hand with F.linear, ...)
   is not moved nor judged here (the loss-level estimate judges it);
 - the call has exactly one output that needs a gradient, and it got one;
-- the module's tensor inputs are unchanged when its output's gradient arrives (version counters);
+- the module's tensor inputs are unchanged when its output's gradient arrives (version counters), and it
+  still holds the parameter objects it computed with (a sharding wrapper registers them per forward and
+  backward: the weights are found at the call's pre-forward, after the wrapper's own hooks ran);
 - the module is not computing in FP8 (TE's FP8 scaling state belongs to the forward) and the autocast state
   of the forward is restored for the reruns; no other process takes part (a rerun of a tensor-parallel
   module would be a collective only this rank calls).
@@ -27,11 +29,12 @@ which the loss-level estimate sees.
 
 Two uses (`run.py`): a screening of the probed modules holding a weight the loss bounds loosely (its weights
 moved together, each along the first micro-batch's reported gradient at a step that gives it a comparable
-share of the module's change) on the second micro-batch's own backward; and, for the weights of a set whose
-screening deviates or bounds a weight loosely, and for weights whose reported gradient is zero on every
-micro-batch, each weight on its own during the sequence's backwards (all micro-batches), against the sum of
-the singles (a zero one along a random direction: the module's output must not move, else the gradient was
-lost).
+share of the module's change; a call whose one moved weight is alone is rerun once, against the forward's own
+output) on the second micro-batch's own backward; and, during the sequence, each weight on its own: those of a
+set whose screening deviates and those it bounds loosely, along the sum of the singles, in the last single's
+micro-batch against that single's reported gradient; and weights whose reported gradient is zero on every
+micro-batch, along a random direction in every micro-batch (the module's output must not move, else the
+gradient was lost).
 """
 
 from __future__ import annotations
@@ -289,7 +292,7 @@ class LocalProbe:
             self.active[id(t)] = self.active.get(id(t), 0) + 1
         # what the call computes with, as its forward starts: a sharding wrapper's own hooks (FSDP2's, which
         # run first) register the unsharded parameters before it and may put the shards back after it
-        owned = [
+        owned: list[tuple[str, torch.Tensor]] = [
             (name, p) for name, p in module._parameters.items() if p is not None and id(p) in self.weights
         ]
         self._calls.append((module, flat, accounted, owned))

@@ -364,8 +364,8 @@ class Check:
         # per parameter: its predicted change per candidate step; 1 + the relative error its probe could hide
         self.weight_gains: dict[int, list[float]] = {}
         self.resolution: dict[int, float] = {}
-        # module-local finite differences (local.py): on a single process, for wrappers whose module
-        # parameters are the tensors the gradients are read for (a plain module, Megatron DDP)
+        # module-local finite differences (local.py): on a single process (a shard is not what a module computes
+        # with), for the wrappers whose module tensors `Adapter.module_tensors` finds
         self.local_on = (
             finite_differences
             and module_fd
@@ -720,8 +720,8 @@ class Check:
         for part in parts:
             by_kind.setdefault((part.device, part.dtype), []).append(part)
         pred = torch.zeros((), device=device, dtype=torch.float64)
-        for same in by_kind.values():  # one stack per kind, summed in fp64 (not one cast per weight)
-            pred = pred + torch.stack(same).to(device=device, dtype=torch.float64).sum()
+        for kind in by_kind.values():  # one stack per kind, summed in fp64 (not one cast per weight)
+            pred = pred + torch.stack(kind).to(device=device, dtype=torch.float64).sum()
         return loss, pred
 
     def _move_small(

@@ -189,9 +189,9 @@ class Fsdp2Adapter(Adapter):
         state; empty where a torch keeps it differently (then nothing below uses it)."""
         out: dict[int, Any] = {}
         for module in self.model.modules():
-            state = getattr(module, "_get_fsdp_state", None)
+            state: Any = getattr(module, "_get_fsdp_state", None)
             try:
-                group = state()._fsdp_param_group if callable(state) else None
+                group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
             except Exception:  # noqa: BLE001 - not an FSDP2 module after all
                 group = None
             for fp in getattr(group, "fsdp_params", None) or []:
