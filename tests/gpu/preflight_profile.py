@@ -43,15 +43,7 @@ def main() -> None:
     model, _cfg = zoo.build(case)
     data = zoo.make_batches(case)
     run = zoo.run_microbatch if not case.bug else zoo.Injector(model, case).wrap(zoo.run_microbatch)
-    optimizer = zoo.make_optimizer(model, case.model)
-
-    def step() -> None:
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        for batch in data:
-            run(model, batch)
-        model.finish_grad_sync()
-        optimizer.step()
+    step = zoo.training_step(model, zoo.make_optimizer(model, case.model), run, data)
 
     with torch.no_grad():
         print(f"PROFILE forward {clock(lambda: zoo.loss_fn(model, data[0])):.1f} ms", flush=True)

@@ -543,6 +543,22 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- cost: preflight against training steps, interleaved in one run ---------------------------------------------
+def training_step(
+    model: torch.nn.Module, optimizer: Any, run: Callable[..., Any], data: list[Any]
+) -> Callable[[], None]:  # noqa: ANN401
+    """Megatron's loop iteration: zero, every micro-batch forward+backward, grad sync, optimizer step."""
+
+    def step() -> None:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        for batch in data:
+            run(model, batch)
+        model.finish_grad_sync()
+        optimizer.step()
+
+    return step
+
+
 def make_optimizer(model: torch.nn.Module, m: Model):
     """megatron-core's own optimizer for the model (Adam, as its training loop builds it)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -574,13 +590,7 @@ def cost(case: Case, rounds: int) -> dict[str, Any]:
         if hasattr(p, "main_grad")
     )
 
-    def step() -> None:
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        for batch in data:
-            run(model, batch)
-        model.finish_grad_sync()
-        optimizer.step()
+    step = training_step(model, optimizer, run, data)
 
     def timed(call: Callable[[], Any]) -> tuple[float, int]:
         return mcore_parts.timed(model, call)
