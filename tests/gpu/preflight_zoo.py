@@ -61,7 +61,7 @@ class Model:
     tied: bool = True
     dtype: str = "bf16"  # bf16 | fp32
     fp8: bool = False
-    spec: str = "te"  # te | local | torch
+    spec: str = "te"  # te | local | torch | bert (megatron-core's BertModel, TE spec, masked-LM loss only)
     experts: int = 0
     topk: int = 2
     moe_ffn: int = 0
@@ -138,6 +138,7 @@ ZOO: list[Case] = [
         Model(layers=6, hidden=512, heads=8, spec="torch", dtype="fp32"),
         "fsdp2:mixed",
     ),
+    Case("bert110m-ddp-bf16", Model(**{**GPT125, "spec": "bert", "seq": 512}), "ddp"),
     Case(
         "torchgpt-plain-fp32",
         Model(layers=4, hidden=256, heads=4, spec="torch", dtype="fp32", vocab=8000),
@@ -308,7 +309,17 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=m.experts, moe_grouped_gemm=True)
     else:
         spec = get_gpt_layer_with_transformer_engine_spec()
-    net = gpt_model(cfg, spec, vocab=m.vocab, seq=m.seq, tied=m.tied)
+    if m.spec == "bert":
+        from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
+        from megatron.core.models.bert.bert_model import BertModel
+
+        net = BertModel(
+            cfg, num_tokentypes=0, transformer_layer_spec=get_bert_layer_with_transformer_engine_spec(),
+            vocab_size=m.vocab, max_sequence_length=m.seq, share_embeddings_and_output_weights=m.tied,
+            add_binary_head=False,
+        ).cuda()  # fmt: skip
+    else:
+        net = gpt_model(cfg, spec, vocab=m.vocab, seq=m.seq, tied=m.tied)
     if m.dtype == "bf16":
         net = Float16Module(cfg, net)
     return wrap(cfg, net, case.wrapper), cfg
@@ -341,6 +352,9 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     if isinstance(inner, TorchGPT):
         logits = model(ids)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    if type(inner).__name__ == "BertModel":  # bidirectional: every position attends, masked-LM loss per token
+        losses, _ = model(ids, torch.ones_like(ids), lm_labels=labels)
+        return losses.float().mean()
     pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
     losses = model(ids, pos, None, labels=labels)  # per-token cross-entropy, [b, s]
     return losses.float().mean()
