@@ -225,3 +225,33 @@ def test_a_weight_alone_is_measured_against_its_own_output_unless_it_was_overwri
             predicted = prediction(starts[i], plan[i], w.grad, sides=sides)
             assert float(sums.measured[0]) == pytest.approx(float(predicted), rel=1e-5)  # an fp32 dot
             assert torch.equal(w.detach(), starts[i])  # restored bit for bit
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_weights_are_judged_on_their_modules_under_megatron_fsdp(strategy: str) -> None:
+    """Megatron-FSDP (the emulator, one rank) computes with the module's own parameter and the optimizer reads
+    another tensor: the module-local check moves the former and compares with the latter's gradient. A x2 on a
+    layer-norm bias the loss bounds loosely is named on its module, whatever the strategy."""
+    from emulators import MegatronFSDP
+    from preflight_zoo import MODELS
+
+    case = MODELS["gpt-untied"]
+    clean = preflight(
+        MegatronFSDP(case.make(), strategy, unit_types=(), data_parallel_size=1),
+        microbatch(case.loss),
+        case.batches(3),
+        loss_fn=case.loss,
+    )
+    judged = {p.name for p in clean.params if p.fd_local is not None}
+    assert clean.ok and "blocks.1.ln1.bias" in judged and clean.local["verdicts"] == {"ok": len(judged)}
+    model = case.make()
+    model.blocks[1].ln1.bias.register_hook(lambda g: 2 * g)
+    result = preflight(
+        MegatronFSDP(model, strategy, unit_types=(), data_parallel_size=1),
+        microbatch(case.loss),
+        case.batches(3),
+        loss_fn=case.loss,
+    )
+    assert _anomalies(result) == {"blocks.1.ln1.bias": ["grad_scaled"]}, result.table()
+    target = next(p for p in result.params if p.name == "blocks.1.ln1.bias")
+    assert target.fd_probe == "module blocks.1.ln1" and abs(target.fd_scale - 2) <= 0.02, result.table()
