@@ -174,10 +174,9 @@ METADATA = frozenset(
 
 
 def _function_name(func: object) -> str:
-    """A torch function's name; for an attribute read or write, the attribute's (`Tensor.shape.__get__` ->
-    "shape", a wrapper setting `.grad` -> "grad")."""
+    """A torch function's name; for an attribute read, the attribute's (`Tensor.shape.__get__` -> "shape")."""
     name = getattr(func, "__name__", None) or str(func)
-    if name in ("__get__", "__set__", "__delete__"):
+    if name == "__get__":
         owner = getattr(func, "__self__", None)
         name = getattr(owner, "__name__", None) or name
     return name
@@ -271,13 +270,10 @@ class LocalProbe:
                 if how not in METADATA:
                     self.escaped[i] = how
 
-    def _accounted(self, module: torch.nn.Module, inputs: list[object]) -> list[Any]:
-        """(entry index, tensor) of the watched weights a call holds: its own, and those among its inputs (the
-        leaves of its arguments)."""
-        found: dict[int, tuple[int, torch.Tensor]] = {}
-        for p in module._parameters.values():
-            if p is not None and id(p) in self.weights:
-                found[id(p)] = (self.weights[id(p)], p)
+    def _accounted(self, owned: list[tuple[str, torch.Tensor]], inputs: list[object]) -> list[Any]:
+        """(entry index, tensor) of the watched weights a call holds: its own (`owned`), and those among its
+        inputs (the leaves of its arguments)."""
+        found: dict[int, tuple[int, torch.Tensor]] = {id(p): (self.weights[id(p)], p) for _, p in owned}
         for a in inputs:
             if isinstance(a, torch.Tensor) and id(a) in self.weights:
                 found[id(a)] = (self.weights[id(a)], a)
@@ -286,15 +282,15 @@ class LocalProbe:
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.rerunning:
             return
-        flat = leaves((args, kwargs))
-        accounted = self._accounted(module, flat)
-        for _, t in accounted:
-            self.active[id(t)] = self.active.get(id(t), 0) + 1
         # what the call computes with, as its forward starts: a sharding wrapper's own hooks (FSDP2's, which
         # run first) register the unsharded parameters before it and may put the shards back after it
         owned: list[tuple[str, torch.Tensor]] = [
             (name, p) for name, p in module._parameters.items() if p is not None and id(p) in self.weights
         ]
+        flat = leaves((args, kwargs))
+        accounted = self._accounted(owned, flat)
+        for _, t in accounted:
+            self.active[id(t)] = self.active.get(id(t), 0) + 1
         self._calls.append((module, flat, accounted, owned))
 
     def _post(

@@ -34,8 +34,9 @@ forwards for the noise + 4 for the combined probe of all groups, + 2 per further
 Module-local finite differences (`local.py`; module_fd=True): the weights of Linear-like modules that the loss
 bounds loosely are judged on their own module's output, rerun inside the backward of the second micro-batch's
 single (screening, weights of a module moved together) and of the sequence (each weight alone where a set
-deviated or bounded a weight loosely; zero gradients along random directions). No pass is added: 2 module
-reruns per screened call, 2 per re-judged weight and micro-batch.
+deviated or bounded a weight loosely, in the last single's micro-batch; zero gradients along random
+directions, in every micro-batch). No pass is added: 2 module reruns per screened call (1 where its only
+moved weight is one weight), 2 per re-judged weight, 2 per zero-gradient weight and micro-batch.
 
 Memory: one copy of the gradients (G(first), then the sum of the singles, minus G(sequence) in place) rounded
 to the narrowest of bf16 and fp32 whose unit round-off is at most 1/8 of the linearity tolerance; the subsets
@@ -684,17 +685,16 @@ class Check:
                         batched.setdefault((t.device, t.dtype, g.dtype), []).append((j, i))
                 done = {j for members in batched.values() for j, _ in members}
                 for members in batched.values():
-                    parts.append(self._move_small(members, targets, saved, grads, cast(_Along, delta), sign))
+                    self._move_small(members, targets, grads, cast(_Along, delta), sign)
                 for j, (i, t, old) in enumerate(zip(indexes, targets, saved, strict=True)):
-                    if j in done:
-                        continue
                     g = grads[i]
-                    if isinstance(delta, _Along) and g is not None and g.numel() == t.numel():
-                        t.add_(g.view(t.shape), alpha=sign * delta.factor(i, t))
-                    else:
-                        d = delta(i, t)
-                        t.add_(d, alpha=sign)
-                        del d
+                    if j not in done:  # (the small ones moved above)
+                        if isinstance(delta, _Along) and g is not None and g.numel() == t.numel():
+                            t.add_(g.view(t.shape), alpha=sign * delta.factor(i, t))
+                        else:
+                            d = delta(i, t)
+                            t.add_(d, alpha=sign)
+                            del d
                     if g is None:
                         continue
                     cdt = adapter.compute_dtype(self.entries[i])
@@ -728,27 +728,21 @@ class Check:
         self,
         members: list[tuple[int, int]],
         targets: list[torch.Tensor],
-        saved: list[torch.Tensor],
         grads: list[torch.Tensor | None],
         delta: _Along,
         sign: float,
-    ) -> torch.Tensor:
+    ) -> None:
         """Small weights of one device and dtype (biases, norms: most of a model's parameters, a sliver of its
-        elements) moved with multi-tensor launches, and <G, move> over all of them (fp32 sum, fp64 for fp64
-        weights): a handful of launches instead of four per weight, and the same moves and predictions. (The
-        noise's jitter stays per weight: its draw is the noise estimate's one sample.)"""
+        elements) moved with multi-tensor launches instead of one add per weight, and the same moves (their
+        predictions go with the others', `_predictions`). (The noise's jitter stays per weight: its draw is the
+        noise estimate's one sample.)"""
         ts = [targets[j] for j, _ in members]
-        olds = [saved[j] for j, _ in members]
         gs = [cast(torch.Tensor, grads[i]).view(targets[j].shape) for j, i in members]
         factors = [sign * delta.factor(i, targets[j]) for j, i in members]
         # t + factor x g x 1, rounded once (as t.add_(g, alpha=factor)): the same moves as one weight at a time
         ones = torch.ones(sum(t.numel() for t in ts), device=ts[0].device, dtype=gs[0].dtype)
         units = [p.view(t.shape) for p, t in zip(ones.split([t.numel() for t in ts]), ts, strict=True)]
         _TORCH._foreach_addcmul_(ts, gs, units, factors)
-        del ones, units
-        products = _TORCH._foreach_mul(_TORCH._foreach_sub(ts, olds), gs)
-        acc = torch.float64 if ts[0].dtype == torch.float64 else torch.float32
-        return torch.cat([p.reshape(-1) for p in products]).sum(dtype=acc)
 
     @staticmethod
     def _predictions(

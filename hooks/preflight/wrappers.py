@@ -147,10 +147,10 @@ class Adapter:
         """Make in-place edits of the targets visible to the next forward."""
 
     def module_tensors(self) -> dict[int, tuple[torch.nn.Module | None, torch.Tensor]]:
-        """Per entry (by id of its raw parameter): the module holding the parameter (None: look it up) and the tensor its forward
-        computes with, where that tensor holds the same elements as the gradient the optimizer reads (what the
-        module-local finite differences move and compare); here the module's parameter itself, unless it is
-        sharded (Megatron DDP; Megatron-FSDP, which puts the module's own parameter back for the forward and
+        """Per entry (by id of its raw parameter): the module holding the parameter (None where its path does
+        not resolve) and the tensor its forward computes with, where that tensor holds the same elements as the
+        gradient the optimizer reads (what the module-local finite differences move and compare); here the
+        module's parameter itself, unless it is sharded (Megatron DDP; Megatron-FSDP, which puts the module's own parameter back for the forward and
         the backward and keeps it whole on a single rank)."""
         modules = {normalize_name(path): module for path, module in self.model.named_modules()}
         return {
@@ -186,7 +186,10 @@ class Fsdp2Adapter(Adapter):
 
     def _fsdp_params(self) -> dict[int, Any]:
         """FSDP2's per-parameter state (FSDPParam), by id of the sharded parameter, from each module's FSDP
-        state; empty where a torch keeps it differently (then nothing below uses it)."""
+        state (read once: the objects live as long as the wrapping); empty where a torch keeps it differently
+        (then nothing below uses it)."""
+        if self._by_sharded is not None:
+            return self._by_sharded
         out: dict[int, Any] = {}
         for module in self.model.modules():
             state: Any = getattr(module, "_get_fsdp_state", None)
@@ -196,14 +199,13 @@ class Fsdp2Adapter(Adapter):
                 group = None
             for fp in getattr(group, "fsdp_params", None) or []:
                 out[id(getattr(fp, "sharded_param", None))] = fp
+        self._by_sharded = out
         return out
 
     def compute_dtype(self, entry: Entry) -> torch.dtype:
         """The mixed-precision policy's param_dtype (the all-gathered copy the forward computes with), else the
         parameter's own dtype."""
-        if self._by_sharded is None:
-            self._by_sharded = self._fsdp_params()
-        dtype = getattr(self._by_sharded.get(id(entry.raw_param)), "param_dtype", None)
+        dtype = getattr(self._fsdp_params().get(id(entry.raw_param)), "param_dtype", None)
         return dtype if isinstance(dtype, torch.dtype) else entry.raw_param.dtype
 
     def module_tensors(self) -> dict[int, tuple[torch.nn.Module | None, torch.Tensor]]:
