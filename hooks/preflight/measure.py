@@ -277,6 +277,23 @@ class Subsets:
                 )
                 stats.add(name, select, (diff**2).sum(1))
 
+    def residual2(
+        self, stats: Stats, name: str, keys: Sequence[str], coeffs: dict[int, Sequence[float]]
+    ) -> None:
+        """stats[name] = |sum_k coeffs[i][k] x row of keys[k]|^2 for each parameter i of `coeffs` (the fit's
+        residual on the subset, formed on the device: from the Gram entries it would cancel in fp32)."""
+        for device, rows in self.rows.items():
+            select = [i for i in rows if i in coeffs]
+            if not select:
+                continue
+            index = to_device([self.row_of[i] for i in select], device, torch.long)
+            stack = torch.stack(
+                [self.mats[k][device].index_select(0, index) for k in keys], 1
+            )  # [P, K, SUBSET]
+            c = to_device([v for i in select for v in coeffs[i]], device).view(len(select), len(keys), 1)
+            res = (stack * c).sum(1)
+            stats.add(name, select, (res * res).sum(1))
+
 
 def copies(tensors: list[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None) -> list[torch.Tensor]:
     """Copies of `tensors` (exact, or rounded to nearest in `dtypes`, one per tensor), as views of one buffer

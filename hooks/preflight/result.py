@@ -46,6 +46,9 @@ class ParamResult:
     )
     rel_sum: float | None = None  # |G(sequence) - sum of the singles| / sqrt(sum of |single|^2)
     fit: tuple[float, ...] | None = None  # G(sequence) ~ sum_k c_k G(k-th micro-batch of the sequence)
+    # |G(sequence) - the fit| / (sum_k |G(k)|^2)^1/2 on the subset (only for a failing fit; below tolerance / 8
+    # run-to-run noise cannot explain the verdict, and the first micro-batch is not repeated)
+    fit_residual: float | None = None
     rel_twice: float | None = None  # one micro-batch: rel_sum of (A, A) against 2 G(A)
     stale: float | None = None  # |G| read right after the wrapper zeroed the buffers, / |G(first)|
     fd_scale: float | None = None  # reported / estimated along the reported gradient (or 0 for a lost one)
@@ -384,7 +387,10 @@ def _measured(p: ParamResult) -> str:
         parts.append(f"|G(seq)-sum of singles| {_fmt(p.rel_sum)}")
     if p.fit is not None:
         parts.append(
-            "G(seq) = " + " + ".join(f"{c:.2f} g{k + 1}" for k, c in enumerate(p.fit)) + " (by position)"
+            "G(seq) = "
+            + " + ".join(f"{c:.2f} g{k + 1}" for k, c in enumerate(p.fit))
+            + " (by position)"
+            + (f", residual {_fmt(p.fit_residual)}" if p.fit_residual is not None else "")
         )
     if p.fd_scale is not None:
         err = f" +-{p.fd_error:.2g}" if p.fd_error is not None else ""

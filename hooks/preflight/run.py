@@ -103,6 +103,12 @@ from maingrad.hooks.preflight.state import (
 )
 from maingrad.hooks.preflight.wrappers import Adapter, Entry, choose
 
+# the fit-by-position verdicts whose residual can rule out run-to-run noise (0/1 patterns: a random scale per
+# backward would have to be about 1 to make them, while any other coefficient could be such a scale), and the
+# fewest subset elements for that
+NOT_NOISE_IF_FITTED = frozenset({"grad_overwritten", "grad_lost"})
+FIT_DIM = 64
+
 RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
 LossFn = Callable[[torch.nn.Module, Any], Any]
 FD_GROUPS: tuple[str, ...] = ("mechanism", "module_type", "param")
@@ -341,6 +347,9 @@ class Check:
         self.copy: list[torch.Tensor | None] = [None] * len(entries)
         self.copy_bytes = 0
         self.copy_dtypes: set[str] = set()
+        # per parameter whose only failure is the fit by position: (its coefficients by micro-batch, the
+        # singles' squared norm on its subset); the fit's residual decides whether the repeat is needed
+        self.fits: dict[int, tuple[list[float], float]] = {}
         self.first_loss: Any = None
         self.probes: list[Probe] = []
         self.noise = 0.0
@@ -621,6 +630,40 @@ class Check:
         self.copy = [None] * len(copy)
         keys = [f"s{k}" for k in range(len(self.batches))] + ["seq"]
         self.subsets.gram(self.stats, keys)
+
+    def needs_repeat(self, suspects: list[int]) -> list[int]:
+        """The failing parameters whose evidence run-to-run noise could explain: the ones the repeat decides.
+
+        An overwritten or lost gradient named by the fit by position alone, whose residual |G(seq) - sum_k c_k
+        G(k)| on the subset is below an eighth of the linearity tolerance of the singles' norm, is not noise:
+        runs that differ by d (relative) leave about d of each run outside the span of the singles (a subset of
+        at least FIT_DIM elements against N <= 16 directions), and the repeat calls a difference above half the
+        tolerance nondeterminism. A random scale per backward stays inside the span, but would have to be near
+        -1 or 0 to make those 0/1 coefficients. Those skip the repeat (one forward+backward less on the failing
+        path); every other failing verdict, a coefficient tied to the backward count included, gets it."""
+        keys = [f"s{k}" for k in range(len(self.batches))] + ["seq"]
+        fitted = {
+            i: [*self.fits[i][0], -1.0]
+            for i in suspects
+            if i in self.fits
+            and self.results[i].numel >= FIT_DIM
+            and set(self.results[i].anomalies) <= NOT_NOISE_IF_FITTED
+        }
+        if not fitted:
+            return suspects
+        self.subsets.residual2(self.stats, "fit_res2", keys, fitted)
+        column = self.host(["fit_res2"])["fit_res2"]
+        left = []
+        for i in suspects:
+            res2, den2 = column[i], self.fits[i][1] if i in self.fits else 0.0
+            if i not in fitted or res2 is None or not den2 > 0:
+                left.append(i)
+                continue
+            r = self.results[i]
+            r.fit_residual = math.sqrt(max(res2, 0.0) / den2)
+            if not r.fit_residual <= r.tolerance / 8:
+                left.append(i)
+        return left
 
     def repeat(self, suspects: list[int]) -> dict[str, list[float | None]]:
         """The first micro-batch again from zeroed buffers, compared with its first run on the subset."""
@@ -1567,11 +1610,11 @@ def _execute(check: Check) -> PreflightResult:
             check.fd_left()
             lap("finite_differences")
         tolerances = _classify(check)
-        suspects = [i for i, r in enumerate(check.results) if r.anomalies and r.finite]
+        suspects = check.needs_repeat([i for i, r in enumerate(check.results) if r.anomalies and r.finite])
+        lap("comparison")
         if suspects:
             _judge_repeat(check, suspects, check.repeat(suspects))
             lap("runs")
-        lap("comparison")
     except Exception as exc:  # noqa: BLE001 - the model's failure is the result, not a crash of the caller
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
         tb = traceback.format_exc(limit=12)
@@ -1749,6 +1792,12 @@ def _classify(check: Check) -> dict[str, Any]:
                 if n == 1 and coeffs is not None:
                     by_position = [coeffs[0]]
                 expected = [2.0] if n == 1 else [1.0] * n
+                lost = math.sqrt(seq2) <= tol * den  # G(seq) zero: fitted by zero coefficients
+                if not r.anomalies and (coeffs is not None or lost):
+                    check.fits[i] = (
+                        [0.0] * n if lost or coeffs is None else list(coeffs),
+                        sum(gram[k][k] for k in range(n)),
+                    )
                 judge.accumulation_verdict(r, by_position, expected, math.sqrt(seq2), den, tol, kind)
         elif seq2 > 0 and d2 > 0:
             r.anomalies.append("grad_inconsistent")
@@ -1774,7 +1823,8 @@ def _classify(check: Check) -> dict[str, Any]:
         "fd_first_step": check.fd_step if check.fd_step is not None else "from the noise",
         "fd_noise": check.noise,
         "fd_zero_noise": check.zero_noise,
-        "repeat": "the first micro-batch is repeated only where a verdict failed",
+        "repeat": "the first micro-batch is repeated only where a failed verdict could be run-to-run noise (not "
+        "where the fit by position leaves a residual below tolerance/8)",
         "copy_dtypes": sorted(check.copy_dtypes),
     }
 

@@ -25,6 +25,7 @@ from emulators import (
     mse_loss,
     mse_microbatch,
 )
+from preflight_zoo import overwrite
 
 import maingrad.hooks
 from maingrad.contracts.records import validate
@@ -189,6 +190,62 @@ def test_nondeterministic_module() -> None:
     codes = {code for p in result.params for code in p.anomalies}
     assert codes == {"grad_nondeterministic"}, result.table()
     assert next(p for p in result.params if p.name == "mid.weight").rel_repeat > 0.01
+
+
+def _noisy_gradient(param: torch.Tensor, relative: float, scalar: bool, seed: int) -> None:
+    """Run-to-run noise preflight cannot reset (a private generator advancing every backward): added to the
+    gradient with `relative` x its norm, spread over the elements, or (scalar) the gradient x (1 + U(-r, r))."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        if scalar:
+            return g * (1 + relative * (2 * torch.rand((), generator=gen) - 1))
+        noise = torch.randn(g.shape, generator=gen)
+        return g + relative * g.norm() * noise / noise.norm()
+
+    param.register_hook(hook)
+
+
+@pytest.mark.parametrize("hidden", [8, 16, 32])
+def test_run_to_run_noise_is_never_named_an_accumulation_bug(hidden: int) -> None:
+    """A population of nondeterministic gradients (spread noise from 4 to 256 x the tolerance, and a random scale
+    per backward of 30% and 60%), 5 seeds each: the verdict is always nondeterminism, from the repeat; the fit
+    residual that lets an overwritten gradient skip the repeat never lets noise skip it."""
+    tol = 4.8e-6  # the fp32 linearity tolerance's floor
+    kinds = [(f * tol, False) for f in (4, 16, 64, 256)] + [(0.3, True), (0.6, True)]
+    for relative, scalar in kinds:
+        for seed in range(5):
+            torch.manual_seed(seed)
+            block = DenseBlock("plain", hidden)
+            _noisy_gradient(block.mid.weight, relative, scalar, seed)
+            result = preflight(block, mse_microbatch, dense_batches(3, hidden), loss_fn=mse_loss)
+            mid = next(p for p in result.params if p.name == "mid.weight")
+            assert mid.anomalies == ["grad_nondeterministic"], (relative, scalar, seed, result.table())
+            assert mid.rel_repeat is not None and mid.rel_repeat > mid.tolerance / 2
+
+
+@pytest.mark.parametrize("hidden", [8, 16, 32])
+def test_an_exact_overwrite_skips_the_repeat(hidden: int) -> None:
+    """The same population's overwritten gradient (each backward replaces .grad): the fit (0, 0, 1) leaves a
+    residual far below tolerance / 8, so the first micro-batch is not run again; with run-to-run noise on top,
+    the residual shows it and the repeat names the noise."""
+    for seed in range(5):
+        torch.manual_seed(seed)
+        block = DenseBlock("plain", hidden)
+        overwrite(block, "mid.weight")
+        result = preflight(block, mse_microbatch, dense_batches(3, hidden), loss_fn=mse_loss)
+        mid = next(p for p in result.params if p.name == "mid.weight")
+        assert mid.anomalies == ["grad_overwritten"], result.table()
+        assert mid.fit_residual is not None and mid.fit_residual <= mid.tolerance / 8
+        assert mid.rel_repeat is None and result.cost["microbatch_passes"] == 6
+        torch.manual_seed(seed)
+        block = DenseBlock("plain", hidden)
+        _noisy_gradient(block.mid.weight, 64 * 4.8e-6, False, seed)
+        overwrite(block, "mid.weight")
+        result = preflight(block, mse_microbatch, dense_batches(3, hidden), loss_fn=mse_loss)
+        mid = next(p for p in result.params if p.name == "mid.weight")
+        assert mid.anomalies == ["grad_nondeterministic"], result.table()
+        assert result.cost["microbatch_passes"] == 7
 
 
 def test_dropout_and_batchnorm_are_repeatable() -> None:
