@@ -237,14 +237,20 @@ class Subsets:
                 mat.view(-1).index_copy_(0, self.positions(device, tuple(spans)), values)
 
     def positions(self, device: torch.device, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """Flat positions in a run's matrix of the (row, count) spans, in order."""
+        """Flat positions in a run's matrix of the (row, count) spans, in order: element j of the concatenation,
+        in span k, goes to row_k x SUBSET + (j - first_k). Formed on the device from one small transfer (2 values
+        per span; repeat_interleave with its output size known does not wait for the device), not on the host
+        (a host index of every subset element, pinned and copied, cost milliseconds per call on the H200)."""
         index = self._index.get((device, spans))
         if index is None:
-            starts = torch.tensor([row * SUBSET for row, _ in spans], dtype=torch.long)
-            counts = torch.tensor([count for _, count in spans], dtype=torch.long)
-            first = torch.cumsum(counts, 0) - counts  # where each span starts in the concatenation
-            within = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
-            index = host_to(torch.repeat_interleave(starts, counts) + within, device)
+            counts = [count for _, count in spans]
+            total, offsets, first = sum(counts), [], 0
+            for (row, _), count in zip(spans, counts, strict=True):
+                offsets.append(row * SUBSET - first)
+                first += count
+            small = to_device(offsets + counts, device, torch.long)
+            index = torch.repeat_interleave(small[: len(spans)], small[len(spans) :], output_size=total)
+            index += torch.arange(total, device=device)
             self._index[(device, spans)] = index
         return index
 

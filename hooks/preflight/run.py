@@ -353,8 +353,9 @@ class Check:
         self.first_loss: Any = None
         self.probes: list[Probe] = []
         self.noise = 0.0
-        self.rng = RngState([*fp8_state_pairs(model), *rng_states])
-        self.fp8_known = {id(t) for t in fp8_tensors(model)}
+        fp8 = fp8_tensors(model)
+        self.rng = RngState([*fp8_state_pairs(model, fp8), *rng_states])
+        self.fp8_known = {id(t) for t in fp8}
         self.step_start = StepStart(model)
         self.owners = {id(p): m for m in model.modules() for p in m._parameters.values() if p is not None}
         self.fp8_entries: set[int] = set()  # parameters whose module computed in FP8 (known after a run)

@@ -59,10 +59,11 @@ def _megatron_trackers() -> list[RngPair]:
     return [(get, put)]
 
 
-def fp8_state_pairs(model: torch.nn.Module) -> list[RngPair]:
+def fp8_state_pairs(model: torch.nn.Module, tensors: list[torch.Tensor] | None = None) -> list[RngPair]:
     """One (get_state, set_state) pair over the tensors of every TE module's `fp8_meta` (the values and the
-    tensor attributes of its recipe-state objects: amax history, scale, scale_inv), restored in place."""
-    tensors = fp8_tensors(model)
+    tensor attributes of its recipe-state objects: amax history, scale, scale_inv), restored in place.
+    `tensors`: `fp8_tensors(model)` where the caller has them already (one walk of the modules, not two)."""
+    tensors = fp8_tensors(model) if tensors is None else tensors
     if not tensors:
         return []
 

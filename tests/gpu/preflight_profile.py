@@ -4,7 +4,8 @@
 
 Prints (lines starting PROFILE): a loss forward, a forward+backward and a training step of the case, timed
 alone; then one call with and one without the module-local check, each phase of the call timed with the
-device synchronized around it (so the phases add up to a little more than an unprofiled call), with the
+device synchronized around it (phases nest: `_run` and the `Subsets.*` lines are inside the others, and the
+sum is a little more than an unprofiled call), with the
 module-local screening's and refinement's rerun counts and the weights the screening left loosely bounded;
 then the call under cProfile (the call is CPU-bound: the Python and launch time is the cost), sorted by
 cumulative time over maingrad's functions and by own time over everything.
@@ -25,8 +26,10 @@ import torch
 
 PHASES = [
     "first", "singles", "sequence", "repeat", "fd", "fd_rest", "fd_left", "_first_steps", "_evaluate", "_loss",
-    "_screening", "_plan_refinement", "_refinement", "_judge_local", "needs_repeat", "__init__",
+    "_screening", "_plan_refinement", "_refinement", "_judge_local", "needs_repeat", "__init__", "_run", "_zero",
+    "_prepare", "_commit", "_find_local_tensors", "adopt_fp8_state",
 ]  # fmt: skip
+SUBSETS = ["take", "positions", "gram"]  # measure.Subsets' methods (inside the phases above)
 FUNCTIONS = ["_execute", "_classify", "choose"]  # module-level functions of run.py, timed the same way
 
 
@@ -43,6 +46,7 @@ def timed_function(name: str, fn: Callable[..., Any], timed: Callable[..., Any])
 
 def main() -> None:
     import maingrad.hooks
+    from maingrad.hooks.preflight import measure
     from maingrad.hooks.preflight import run as pr
 
     zoo.setup_distributed()
@@ -73,6 +77,8 @@ def main() -> None:
 
     for name in PHASES:
         setattr(pr.Check, name, timed(name, getattr(pr.Check, name)))
+    for name in SUBSETS:
+        setattr(measure.Subsets, name, timed(f"Subsets.{name}", getattr(measure.Subsets, name)))
     for name in FUNCTIONS:
         setattr(pr, name, timed_function(name, getattr(pr, name), timed))
     judge_local = pr.Check._judge_local
