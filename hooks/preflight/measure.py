@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -284,7 +284,7 @@ class Subsets:
                 stats.add(name, select, (diff**2).sum(1))
 
     def residual2(
-        self, stats: Stats, name: str, keys: Sequence[str], coeffs: dict[int, Sequence[float]]
+        self, stats: Stats, name: str, keys: Sequence[str], coeffs: Mapping[int, Sequence[float]]
     ) -> None:
         """stats[name] = |sum_k coeffs[i][k] x row of keys[k]|^2 for each parameter i of `coeffs` (the fit's
         residual on the subset, formed on the device: from the Gram entries it would cancel in fp32)."""
