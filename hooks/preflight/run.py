@@ -105,9 +105,9 @@ from maingrad.hooks.preflight.wrappers import Adapter, Entry, choose
 
 # the fit-by-position verdicts whose residual can rule out run-to-run noise (0/1 patterns: a random scale per
 # backward would have to be about 1 to make them, while any other coefficient could be such a scale), and the
-# fewest subset elements for that
+# fewest subset elements for that, per direction of the fit (N singles and the sequence)
 NOT_NOISE_IF_FITTED = frozenset({"grad_overwritten", "grad_lost"})
-FIT_DIM = 64
+FIT_DIM = 16
 
 RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -637,9 +637,9 @@ class Check:
 
         An overwritten or lost gradient named by the fit by position alone, whose residual |G(seq) - sum_k c_k
         G(k)| on the subset is below an eighth of the linearity tolerance of the singles' norm, is not noise:
-        runs that differ by d (relative) leave about d of each run outside the span of the singles (a subset of
-        at least FIT_DIM elements against N <= 16 directions), and the repeat calls a difference above half the
-        tolerance nondeterminism. A random scale per backward stays inside the span, but would have to be near
+        runs that differ by d (relative) leave about d of each run outside the span of the singles (on a subset
+        of at least FIT_DIM elements per direction: N singles and the sequence), and the repeat calls a
+        difference above half the tolerance nondeterminism. A random scale per backward stays inside the span, but would have to be near
         -1 or 0 to make those 0/1 coefficients. Those skip the repeat (one forward+backward less on the failing
         path); every other failing verdict, a coefficient tied to the backward count included, gets it."""
         keys = [f"s{k}" for k in range(len(self.batches))] + ["seq"]
@@ -647,7 +647,7 @@ class Check:
             i: [*self.fits[i][0], -1.0]
             for i in suspects
             if i in self.fits
-            and self.results[i].numel >= FIT_DIM
+            and min(self.results[i].numel, SUBSET) >= FIT_DIM * len(keys)
             and set(self.results[i].anomalies) <= NOT_NOISE_IF_FITTED
         }
         if not fitted:
