@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -254,18 +254,20 @@ class Subsets:
             self._index[(device, spans)] = index
         return index
 
+    def _stacked(
+        self, keys: Sequence[str], wanted: Container[int] | None
+    ) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """Per device, the parameters (those in `wanted`, default all) and their rows of every key: [P, K, SUBSET]."""
+        for device, rows in self.rows.items():
+            select = rows if wanted is None else [i for i in rows if i in wanted]
+            if select:
+                index = to_device([self.row_of[i] for i in select], device, torch.long)
+                yield select, torch.stack([self.mats[k][device].index_select(0, index) for k in keys], 1)
+
     def gram(self, stats: Stats, keys: Sequence[str], only: Sequence[int] | None = None) -> None:
         """stats["keyA|keyB"] = <keyA row, keyB row> for every pair of `keys` (A before B, and A with itself),
         for every parameter (or those in `only`): one batched matrix product per device."""
-        wanted = None if only is None else set(only)
-        for device, rows in self.rows.items():
-            select = rows if wanted is None else [i for i in rows if i in wanted]
-            if not select:
-                continue
-            index = to_device([self.row_of[i] for i in select], device, torch.long)
-            stack = torch.stack(
-                [self.mats[k][device].index_select(0, index) for k in keys], 1
-            )  # [P, K, SUBSET]
+        for select, stack in self._stacked(keys, None if only is None else set(only)):
             products = torch.bmm(stack, stack.transpose(1, 2))  # [P, K, K]
             for a, ka in enumerate(keys):
                 for b in range(a, len(keys)):
@@ -273,30 +275,17 @@ class Subsets:
 
     def distance2(self, stats: Stats, name: str, k1: str, k2: str, only: Sequence[int]) -> None:
         """stats[name] = |key1 row - key2 row|^2 (the repeat's difference, without cancellation)."""
-        wanted = set(only)
-        for device, rows in self.rows.items():
-            select = [i for i in rows if i in wanted]
-            if select:
-                index = to_device([self.row_of[i] for i in select], device, torch.long)
-                diff = self.mats[k1][device].index_select(0, index) - self.mats[k2][device].index_select(
-                    0, index
-                )
-                stats.add(name, select, (diff**2).sum(1))
+        self.residual2(stats, name, [k1, k2], dict.fromkeys(only, (1.0, -1.0)))
 
     def residual2(
         self, stats: Stats, name: str, keys: Sequence[str], coeffs: Mapping[int, Sequence[float]]
     ) -> None:
         """stats[name] = |sum_k coeffs[i][k] x row of keys[k]|^2 for each parameter i of `coeffs` (the fit's
         residual on the subset, formed on the device: from the Gram entries it would cancel in fp32)."""
-        for device, rows in self.rows.items():
-            select = [i for i in rows if i in coeffs]
-            if not select:
-                continue
-            index = to_device([self.row_of[i] for i in select], device, torch.long)
-            stack = torch.stack(
-                [self.mats[k][device].index_select(0, index) for k in keys], 1
-            )  # [P, K, SUBSET]
-            c = to_device([v for i in select for v in coeffs[i]], device).view(len(select), len(keys), 1)
+        for select, stack in self._stacked(keys, coeffs):
+            c = to_device([v for i in select for v in coeffs[i]], stack.device).view(
+                len(select), len(keys), 1
+            )
             res = (stack * c).sum(1)
             stats.add(name, select, (res * res).sum(1))
 
