@@ -3,8 +3,9 @@
     python3 benchmarks/preflight_cost.py [--rounds 5] [--json FILE]
 
 For models of the CPU population (tests/hooks/preflight_zoo.py: an MLP, the tied-embedding GPT, the MoE with
-an expert that gets no token) with 3 and 4 micro-batches, on the passing path (the correct model) and the
-failing path (one weight x2 inside its group, found by bisection): the counts preflight reports (forward+
+an expert that gets no token) with 3 and 4 micro-batches, on the passing path (the correct model) and two
+failing paths (one weight x2 inside its group, found by the finite differences; one weight's gradient
+overwritten by each backward, named by the fit, without the repeat): the counts preflight reports (forward+
 backward passes, loss forwards, bisection depth, host transfers) and, measured interleaved in this one run,
 preflight's wall time over one training step (zero, the forward+backward of every micro-batch, an SGD step),
 median of the rounds. Memory: preflight's copy of the gradients over the gradients' bytes (its other buffers,
@@ -26,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "hooks"))
 
-from preflight_zoo import MODELS, microbatch, scale  # noqa: E402
+from preflight_zoo import MODELS, microbatch, overwrite, scale  # noqa: E402
 
 from maingrad.hooks.preflight.measure import SUBSET  # noqa: E402
 from maingrad.hooks.preflight.run import preflight  # noqa: E402
@@ -39,11 +40,16 @@ def _step(model: torch.nn.Module, run, batches, opt: torch.optim.Optimizer) -> N
     opt.step()
 
 
-def measure(name: str, n: int, failing: bool, rounds: int) -> dict:
+PATHS = ("pass", "x2", "overwrite")
+
+
+def measure(name: str, n: int, path: str, rounds: int) -> dict:
     case = MODELS[name]
     model = case.make()
-    if failing:
+    if path == "x2":
         scale(2.0)(model, case.targets["one"])
+    elif path == "overwrite":
+        overwrite(model, case.targets["one"])
     run = microbatch(case.loss)
     batches = case.batches(n)
     # the step's optimizer works on a copy, so preflight always sees the same weights
@@ -64,7 +70,7 @@ def measure(name: str, n: int, failing: bool, rounds: int) -> dict:
     return {
         "model": name,
         "microbatches": n,
-        "path": "fail" if failing else "pass",
+        "path": path,
         "status": result.status,
         "steps_wall_median": round(statistics.median(ratios), 2),
         "passes": result.cost["microbatch_passes"],
@@ -85,10 +91,10 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [
-        measure(name, n, failing, args.rounds)
+        measure(name, n, path, args.rounds)
         for name in ("mlp", "gpt-tied", "moe")
         for n in (3, 4)
-        for failing in (False, True)
+        for path in PATHS
     ]
     keys = list(rows[0])
     print(" ".join(f"{k:>14}" for k in keys))
