@@ -20,8 +20,11 @@ site = sys.argv[1]
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
 sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in getattr(h, "__module__", "")]
 root = sys.argv[2].rstrip("/")
-# this checkout only: a venv beside it (/x/repo-venv next to /x/repo) shares the prefix but not the folder
-sys.path[:] = [site] + [p for p in sys.path if p and p != root and not p.startswith(root + "/")]
+# this checkout only: a venv beside it (/x/repo-venv next to /x/repo) shares the prefix but not the folder, and
+# a venv inside it (/x/repo/.venv, the interpreter's own prefix) keeps its site-packages
+def ours(p):
+    return p == root or (p.startswith(root + "/") and not p.startswith(sys.prefix.rstrip("/") + "/"))
+sys.path[:] = [site] + [p for p in sys.path if p and not ours(p)]
 sys.path_importer_cache.clear()
 import maingrad.analyzer, maingrad.hooks, maingrad.service, maingrad.cli.main as cli
 for module in (maingrad.analyzer, maingrad.hooks, maingrad.service, cli):
