@@ -120,25 +120,34 @@ def test_a_forward_after_changed_weights_always_follows_a_sync(case: str, n: int
     assert gathered.calls.count("sync") == 1 + installs  # before the first run and after every install
 
 
-def test_sync_counts_on_a_failing_model() -> None:
-    """An overwriting model with loss_fn and three micro-batches: A alone, the finite differences, B and C alone,
-    the sequence (B, C, A); no repeat of A, since the fit by position (0, 0, 1) leaves no residual that run-to-run
-    noise would. The sync comes before A and after each install only (not before every run), the zero only where
-    a backward ran since the last one, plus the final clean-up."""
-    model = _bf16(GatheredFSDP, "te", "optim_grads_params")
+@pytest.mark.parametrize(
+    ("middle", "repeated"),
+    [("te", False), ("basic", True)],
+    ids=["overwritten-no-repeat", "overwritten+scaled-repeat"],
+)
+def test_sync_counts_on_a_failing_model(middle: str, repeated: bool) -> None:
+    """A failing model with loss_fn and three micro-batches: A alone, the finite differences, B and C alone,
+    the sequence (B, C, A), and the repeat of A only where a failing verdict could be noise: not for the plain
+    overwrite (its fit by position (0, 0, 1) leaves no residual that run-to-run noise would), but for the
+    doubling one (its x2 is a finite-difference verdict). The sync comes before A and after each install only
+    (not before every run), the zero only where a backward ran since the last one, plus the final clean-up."""
+    model = _bf16(GatheredFSDP, middle, "optim_grads_params")
     result = preflight(model, fp32_mse_microbatch, _batches(3), loss_fn=fp32_mse_loss)
     assert result.status == "fail"
     failing = [p for p in result.params if p.anomalies]
-    assert failing and all(p.fit_residual is not None and p.fit_residual <= p.tolerance / 8 for p in failing)
-    assert all(p.rel_repeat is None for p in failing)
-    assert result.cost["microbatch_passes"] == 6
+    assert failing and all((p.rel_repeat is not None) == repeated for p in failing)
+    if repeated:  # a finite-difference verdict beside the fit: the residual is not what decides
+        assert all(p.fit_residual is None for p in failing)
+    else:
+        assert all(p.fit_residual is not None and p.fit_residual <= p.tolerance / 8 for p in failing)
+    assert result.cost["microbatch_passes"] == 6 + repeated
     installs = result.cost["loss_evaluations"] + result.cost["fd_rounds"]
     assert model.calls.count("install") == installs
     assert model.calls.count("sync") == 1 + installs
-    # zero: before A, release after A, before C, before the sequence, the final clean-up
+    # zero: before A, release after A, before C, before the sequence, (before the repeat,) the final clean-up
     # (none before B: nothing ran backward after the release)
-    assert model.calls.count("zero") == 5
-    assert model.calls.count("finish") == 4  # A, B, C, the sequence
+    assert model.calls.count("zero") == 5 + repeated
+    assert model.calls.count("finish") == 4 + repeated  # A, B, C, the sequence(, the repeat)
 
 
 @pytest.mark.parametrize("fail_at", [2, 3])
