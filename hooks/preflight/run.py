@@ -639,9 +639,10 @@ class Check:
         G(k)| on the subset is below an eighth of the linearity tolerance of the singles' norm, is not noise:
         runs that differ by d (relative) leave about d of each run outside the span of the singles (on a subset
         of at least FIT_DIM elements per direction: N singles and the sequence), and the repeat calls a
-        difference above half the tolerance nondeterminism. A random scale per backward stays inside the span, but would have to be near
-        -1 or 0 to make those 0/1 coefficients. Those skip the repeat (one forward+backward less on the failing
-        path); every other failing verdict, a coefficient tied to the backward count included, gets it."""
+        difference above half the tolerance nondeterminism. A random scale per backward stays inside the span,
+        but would have to be near -1 or 0 to make those 0/1 coefficients. Those skip the repeat (one
+        forward+backward less on the failing path); every other failing verdict, a coefficient tied to the
+        backward count included, gets it."""
         keys = [f"s{k}" for k in range(len(self.batches))] + ["seq"]
         fitted = {
             i: [*self.fits[i][0], -1.0]
@@ -656,12 +657,12 @@ class Check:
         column = self.host(["fit_res2"])["fit_res2"]
         left = []
         for i in suspects:
-            res2, den2 = column[i], self.fits[i][1] if i in self.fits else 0.0
-            if i not in fitted or res2 is None or not den2 > 0:
+            res2 = column[i]
+            if i not in fitted or res2 is None or not self.fits[i][1] > 0:
                 left.append(i)
                 continue
             r = self.results[i]
-            r.fit_residual = math.sqrt(max(res2, 0.0) / den2)
+            r.fit_residual = math.sqrt(max(res2, 0.0) / self.fits[i][1])
             if not r.fit_residual <= r.tolerance / 8:
                 left.append(i)
         return left
@@ -1793,13 +1794,11 @@ def _classify(check: Check) -> dict[str, Any]:
                 if n == 1 and coeffs is not None:
                     by_position = [coeffs[0]]
                 expected = [2.0] if n == 1 else [1.0] * n
-                lost = math.sqrt(seq2) <= tol * den  # G(seq) zero: fitted by zero coefficients
-                if not r.anomalies and (coeffs is not None or lost):
-                    check.fits[i] = (
-                        [0.0] * n if lost or coeffs is None else list(coeffs),
-                        sum(gram[k][k] for k in range(n)),
-                    )
+                alone = not r.anomalies
                 judge.accumulation_verdict(r, by_position, expected, math.sqrt(seq2), den, tol, kind)
+                if alone:  # the fit's coefficients by micro-batch (zero where the verdict found G(seq) zero)
+                    by_batch = list(coeffs) if r.fit is not None and coeffs is not None else [0.0] * n
+                    check.fits[i] = (by_batch, sum(gram[k][k] for k in range(n)))
         elif seq2 > 0 and d2 > 0:
             r.anomalies.append("grad_inconsistent")
             r.notes.append("the sequence has a gradient where every micro-batch alone has none")
