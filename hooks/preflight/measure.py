@@ -257,7 +257,8 @@ class Subsets:
     def _stacked(
         self, keys: Sequence[str], wanted: Container[int] | None
     ) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """Per device, the parameters (those in `wanted`, default all) and their rows of every key: [P, K, SUBSET]."""
+        """Per device, the parameters (those in `wanted`, default all) and their rows of every key:
+        [P, K, SUBSET]."""
         for device, rows in self.rows.items():
             select = rows if wanted is None else [i for i in rows if i in wanted]
             if select:

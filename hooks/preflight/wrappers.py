@@ -150,8 +150,8 @@ class Adapter:
         """Per entry (by id of its raw parameter): the module holding the parameter (None where its path does
         not resolve) and the tensor its forward computes with, where that tensor holds the same elements as the
         gradient the optimizer reads (what the module-local finite differences move and compare); here the
-        module's parameter itself, unless it is sharded (Megatron DDP; Megatron-FSDP, which puts the module's own parameter back for the forward and
-        the backward and keeps it whole on a single rank)."""
+        module's parameter itself, unless it is sharded (Megatron DDP; Megatron-FSDP, which puts the module's
+        own parameter back for the forward and the backward and keeps it whole on a single rank)."""
         modules = {normalize_name(path): module for path, module in self.model.named_modules()}
         return {
             id(e.raw_param): (modules.get(e.module), e.raw_param)
