@@ -164,11 +164,11 @@ class Phases:
     the memory held when it last ended."""
 
     PARTS = {
-        "maingrad.hooks.preflight.run.Check": (
-            "__init__", "first", "fd", "_round", "_evaluate", "_loss", "singles", "sequence", "repeat", "_run",
-            "host",
+        "maingrad.hooks.preflight.check.Check": (
+            "__init__", "first", "loss", "singles", "sequence", "repeat", "_run", "host",
         ),
-        "maingrad.hooks.preflight.run": ("_classify", "_execute"),
+        "maingrad.hooks.preflight.loss_fd.LossFD": ("probe_first", "_round", "evaluate"),
+        "maingrad.hooks.preflight.run": ("classify", "_execute"),
         "maingrad.hooks.preflight.state.BufferState": ("__init__", "restore"),
         "maingrad.hooks.preflight.state.RngState": ("__init__", "apply"),
         "maingrad.hooks.preflight.wrappers.MegatronFsdpAdapter": ("zero", "finish", "prepare", "commit"),
@@ -280,7 +280,7 @@ def measure(strategy: str) -> None:
         """BASELINE: the wrapper's between-steps calls before every run, as preflight made them before it
         skipped the redundant ones (start_param_sync() before each run, zero_grad_buffer() also where nothing
         ran backward since the last zeroing); everything else identical."""
-        from maingrad.hooks.preflight.run import Check
+        from maingrad.hooks.preflight.check import Check
 
         saved = Check._prepare, Check._zero
         Check._prepare = lambda self: self.adapter.prepare()  # type: ignore[method-assign]

@@ -2,10 +2,13 @@
 
     result = maingrad.hooks.preflight(model, run_microbatch, batches, loss_fn=loss_fn)
 
-Modules: `run` (the runs and the finite-difference loop, `preflight()`, `preflight_from_env()`), `measure`
-(device-side numbers and the self-checking estimate), `judge` (verdicts and the wrapper-specific lines),
-`result` (what is returned and its forms), `wrappers` (one adapter per data-parallel wrapper), `state`
-(randomness and buffers put back), `cli` (`maingrad preflight`).
+Modules: `run` (`preflight()`, `preflight_from_env()`: the order of the parts and what is put back), `check`
+(one call's state, the wrapper's calls and the runs), `loss_fd` and `moves` (finite differences on the loss:
+the probes, and how they move the weights), `local_fd` and `local` (finite differences on a module's own
+output: the plan and verdicts, and the reruns inside a backward), `classify` (the comparison at the end),
+`measure` (device-side numbers and the self-checking estimate), `judge` (verdicts and the wrapper-specific
+lines), `result` (what is returned and its forms), `wrappers` (one adapter per data-parallel wrapper),
+`state` (randomness and buffers put back), `cli` (`maingrad preflight`).
 
 `maingrad.hooks.preflight` names both this package and the function: the package is callable (it forwards
 to `run.preflight`), so `maingrad.hooks.preflight(model, ...)` works whichever of the two an import left

@@ -30,24 +30,24 @@ from maingrad.hooks.preflight.wrappers import Entry, normalize_name
 SUBSET = 4096  # elements per parameter kept for the decomposition G(seq) ~ sum c_k G(k) and the repeat
 FD_CHUNK = 1 << 24  # elements moved per step of a finite-difference perturbation (64 MiB of fp32 scratch)
 _DIGITS = re.compile(r"\d+")
-_TORCH: Any = torch  # torch's multi-tensor `_foreach_*` ops are not in its exported names
+FOREACH_OPS: Any = torch  # torch's multi-tensor `_foreach_*` ops are not in its exported names
 
 
 def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """dst[k].copy_(src[k]) for every k, in a few multi-tensor launches."""
-    _TORCH._foreach_copy_(list(dst), list(src))
+    FOREACH_OPS._foreach_copy_(list(dst), list(src))
 
 
 def foreach_add_(tensors: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> None:
-    _TORCH._foreach_add_(list(tensors), list(other))
+    FOREACH_OPS._foreach_add_(list(tensors), list(other))
 
 
 def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
-    _TORCH._foreach_mul_(list(tensors), factor)
+    FOREACH_OPS._foreach_mul_(list(tensors), factor)
 
 
 def foreach_sub_(tensors: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> None:
-    _TORCH._foreach_sub_(list(tensors), list(other))
+    FOREACH_OPS._foreach_sub_(list(tensors), list(other))
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -342,7 +342,7 @@ def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(0)
     norms: list[torch.Tensor]
     try:
-        norms = list(_TORCH._foreach_norm(tensors, 2, dtype=torch.float32))
+        norms = list(FOREACH_OPS._foreach_norm(tensors, 2, dtype=torch.float32))
     except (RuntimeError, TypeError):  # mixed devices/dtypes on an old torch
         norms = [norm(t) for t in tensors]
     device = norms[0].device

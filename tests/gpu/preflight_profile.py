@@ -4,7 +4,7 @@
 
 Prints (lines starting PROFILE): a loss forward, a forward+backward and a training step of the case, timed
 alone; then one call with and one without the module-local check, each phase of the call timed with the
-device synchronized around it (phases nest: `_run` and the `Subsets.*` lines are inside the others, and the
+device synchronized around it (phases nest: `Check._run` and the `Subsets.*` lines are inside the others, and the
 sum is a little more than an unprofiled call), with the
 module-local screening's and refinement's rerun counts and the weights the screening left loosely bounded;
 then the call under cProfile (the call is CPU-bound: the Python and launch time is the cost), sorted by
@@ -14,6 +14,7 @@ cumulative time over maingrad's functions and by own time over everything.
 from __future__ import annotations
 
 import cProfile
+import importlib
 import io
 import pstats
 import sys
@@ -24,13 +25,17 @@ from typing import Any
 import preflight_zoo as zoo
 import torch
 
-PHASES = [
-    "first", "singles", "sequence", "repeat", "fd", "fd_rest", "fd_left", "_first_steps", "_evaluate", "_loss",
-    "_screening", "_plan_refinement", "_refinement", "_judge_local", "needs_repeat", "__init__", "_run", "_zero",
-    "_prepare", "_commit", "_find_local_tensors", "adopt_fp8_state",
-]  # fmt: skip
+# the phases timed, by the module and class that hold them (a method of one call's Check or of its parts)
+PHASES = {
+    ("check", "Check"): [
+        "first", "singles", "sequence", "repeat", "needs_repeat", "__init__", "_run", "_zero", "_prepare", "commit",
+        "loss", "adopt_fp8_state",
+    ],
+    ("loss_fd", "LossFD"): ["probe_first", "probe_rest", "probe_left", "_first_steps", "evaluate"],
+    ("local_fd", "LocalFD"): ["screening", "plan_refinement", "refinement", "judge", "find_tensors"],
+}  # fmt: skip
 SUBSETS = ["take", "positions", "gram"]  # measure.Subsets' methods (inside the phases above)
-FUNCTIONS = ["_execute", "_classify", "choose"]  # module-level functions of run.py, timed the same way
+FUNCTIONS = ["_execute", "classify", "choose"]  # functions run.py calls by its own names, timed the same way
 
 
 def clock(call: Callable[[], Any], n: int = 5) -> float:
@@ -75,21 +80,25 @@ def main() -> None:
 
         return wrapper
 
-    for name in PHASES:
-        setattr(pr.Check, name, timed(name, getattr(pr.Check, name)))
+    for (module_name, class_name), names in PHASES.items():
+        owner = getattr(importlib.import_module(f"maingrad.hooks.preflight.{module_name}"), class_name)
+        for name in names:
+            setattr(owner, name, timed(f"{class_name}.{name}", getattr(owner, name)))
     for name in SUBSETS:
         setattr(measure.Subsets, name, timed(f"Subsets.{name}", getattr(measure.Subsets, name)))
     for name in FUNCTIONS:
         setattr(pr, name, timed_function(name, getattr(pr, name), timed))
-    judge_local = pr.Check._judge_local
+    from maingrad.hooks.preflight.local_fd import LocalFD
+
+    judge_local = LocalFD.judge
 
     def counted(self: Any, probe: Any, reported: Any, screening: bool, predicted: Any = None) -> None:  # noqa: ANN401
         judge_local(self, probe, reported, screening, predicted)
-        loose = [self.entries[i].name for i in self.local_unsure] if screening else []
+        loose = [self.check.entries[i].name for i in self.unsure] if screening else []
         print(f"PROFILE {'screening' if screening else 'refinement'}: {probe.reruns} reruns, {len(probe.plan)} "
               f"weights planned, {len(probe.escaped)} used outside their call; loosely bounded: {loose}", flush=True)  # fmt: skip
 
-    pr.Check._judge_local = counted
+    LocalFD.judge = counted  # type: ignore[method-assign]
 
     def call(module_fd: bool = True) -> Any:  # noqa: ANN401
         return maingrad.hooks.preflight(model, run, data, loss_fn=zoo.loss_fn, module_fd=module_fd)

@@ -659,39 +659,41 @@ def scan(case: Case) -> dict[str, Any]:
     step of SCAN_STEPS for each starting group, the measured noise, each parameter's predicted change per unit
     step, and the time of a loss forward, of one whole-model evaluation and of a forward+backward."""
 
-    from maingrad.hooks.preflight import run as pr
+    from maingrad.hooks.preflight.check import Check
+    from maingrad.hooks.preflight.moves import Moves
     from maingrad.hooks.preflight.state import BufferState
     from maingrad.hooks.preflight.wrappers import choose
 
     model, _cfg = build(case)
     data = make_batches(case)
     adapter = choose(model, "auto")
-    check = pr.Check(model, run_microbatch, data, loss_fn=loss_fn, adapter=adapter, params=None,
-                     finite_differences=True, fd_groups="mechanism", fd_step=None, fd_rtol=None, rtol=None,
-                     rng_states=())  # fmt: skip
+    check = Check(model, run_microbatch, data, loss_fn=loss_fn, adapter=adapter, params=None,
+                  finite_differences=True, fd_groups="mechanism", fd_step=None, fd_rtol=None, rtol=None,
+                  rng_states=())  # fmt: skip
+    fd = check.loss_fd
     buffers = BufferState(model)
     adapter.save_user_grads()
 
     out: dict[str, Any] = {"case": case.name, "params": sum(p.numel() for p in model.parameters())}
     try:
         check.first()
-        moves = pr._Moves(check)
-        check._round(moves, [], True)
-        out |= {"noise": check.noise, "floor": check._floor(), "loss": check.loss_level}
+        moves = Moves(check)
+        fd._round(moves, [], True)
+        out |= {"noise": fd.noise, "floor": fd._floor(), "loss": fd.loss_level}
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(check.results):
             if i in moves.nonzero_set:
                 groups.setdefault(r.group, []).append(i)
         out["groups"] = {}
         for key, idx in groups.items():
-            node = check._node(key, idx, False, 0)
-            check._round(moves, [(node, st) for st in SCAN_STEPS], False)
+            node = fd._node(key, idx, False, 0)
+            fd._round(moves, [(node, st) for st in SCAN_STEPS], False)
             contrib = {check.entries[i].name: moves.size(i, adapter.target(check.entries[i])) * moves.gnorm[i]
                        for i in idx}  # fmt: skip
             out["groups"][key] = {
                 "n": len(idx),
                 "per_step": sum(contrib.values()),
-                "first_step": check._first_steps([node], moves)[id(node)],
+                "first_step": fd._first_steps([(key, idx)], moves),
                 "levels": sorted((st, c, pp) for st, (c, pp) in node.levels.items()),
                 "contrib": contrib,
             }
@@ -699,9 +701,9 @@ def scan(case: Case) -> dict[str, Any]:
         with torch.no_grad():
             out["forward_s"] = clock(lambda: loss_fn(model, data[0]), 5)
         out["evaluation_s"] = clock(
-            lambda: check._evaluate(every, moves.along(2.0**-10), moves.directions, 1.0), 5
+            lambda: fd.evaluate(every, moves.along(2.0**-10), moves.directions, 1.0), 5
         )
-        check._commit()
+        check.commit()
         adapter.zero()
         out["microbatch_s"] = clock(lambda: run_microbatch(model, data[0]), 3)
     finally:

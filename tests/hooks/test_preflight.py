@@ -574,36 +574,39 @@ def test_a_group_within_a_parameters_tolerance_bounds_the_parts_that_cannot_be_e
     `ok` within the group's bound on each of its weights (fd_resolution, so a loose one stays listed as weakly
     checked), not `inconclusive`; a part that deviates reliably is still split and blamed. Without such a
     group above it, a part with no reliable estimate stays inconclusive."""
+    from maingrad.hooks.preflight.check import Check
     from maingrad.hooks.preflight.measure import Estimate
+    from maingrad.hooks.preflight.moves import CANDIDATE_STEPS
     from maingrad.hooks.preflight.wrappers import choose
 
     torch.manual_seed(0)
     model = DenseBlock("plain")
-    check = preflight_module.Check(
+    check = Check(
         model, mse_microbatch, dense_batches(2), loss_fn=mse_loss, adapter=choose(model), params=None,
         finite_differences=True, fd_groups="mechanism", fd_step=None, fd_rtol=None, rtol=None, rng_states=[],
     )  # fmt: skip
     n = len(check.entries)
-    step = preflight_module.CANDIDATE_STEPS[4]
-    check.step_mult = [1.0] * n
-    check.weight_gains = {i: [1.0] * len(preflight_module.CANDIDATE_STEPS) for i in range(n)}
-    root = check._node("all", list(range(n)), False, 0)
+    fd = check.loss_fd
+    step = CANDIDATE_STEPS[4]
+    fd.step_mult = [1.0] * n
+    fd.weight_gains = {i: [1.0] * len(CANDIDATE_STEPS) for i in range(n)}
+    root = fd._node("all", list(range(n)), False, 0)
     ltol = math.log1p(root.tol)
     err = ltol / 100
     drift = math.exp((ltol / 4 + ltol) / 2)  # beyond the group band, within a parameter's tolerance
-    requests = check._finish(
+    requests = fd._finish(
         root, Estimate(ratio=drift, error=err, step=step, pair=(2 * step, step), reliable=True)
     )
     assert root.probe.verdict == "split" and requests
     left = requests[0][0]
     right = next(node for node, _ in requests if node is not left)
     assert left.bounded and right.bounded
-    assert all(check.resolution[i] == pytest.approx(1 + (ltol + 3 * err) * n) for i in range(n))
-    check._finish(left, Estimate(ratio=None, reason="no two steps agree"))
+    assert all(fd.resolution[i] == pytest.approx(1 + (ltol + 3 * err) * n) for i in range(n))
+    fd._finish(left, Estimate(ratio=None, reason="no two steps agree"))
     assert left.probe.verdict == "ok" and "bounded by a group above it" in left.probe.reason
-    check._finish(right, Estimate(ratio=2.0, error=err, step=step, pair=(2 * step, step), reliable=True))
+    fd._finish(right, Estimate(ratio=2.0, error=err, step=step, pair=(2 * step, step), reliable=True))
     assert right.probe.verdict in ("split", "scaled")  # a reliable deviation is still blamed
 
-    lone = check._node("alone", [0], False, 0)
-    check._finish(lone, Estimate(ratio=None, reason="no two steps agree"))
+    lone = fd._node("alone", [0], False, 0)
+    fd._finish(lone, Estimate(ratio=None, reason="no two steps agree"))
     assert lone.probe.verdict == "inconclusive"

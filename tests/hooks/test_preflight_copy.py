@@ -23,7 +23,7 @@ from emulators import (
     fp32_mse_microbatch,
 )
 
-from maingrad.hooks.preflight import run as preflight_module
+from maingrad.hooks.preflight import check as check_module
 from maingrad.hooks.preflight.measure import copy_dtype, unit_roundoff
 from maingrad.hooks.preflight.run import preflight
 
@@ -37,7 +37,7 @@ def _bf16_batches(n: int = 2, tokens: int = 16) -> list[tuple[torch.Tensor, torc
 def _run(make, rounded: bool, monkeypatch: pytest.MonkeyPatch, n: int = 2, tokens: int = 16):
     with monkeypatch.context() as m:
         if not rounded:  # the copy in the gradient's own dtype, as before the rounding
-            m.setattr(preflight_module, "copy_dtype", lambda grad_dtype, tolerance: grad_dtype)
+            m.setattr(check_module, "copy_dtype", lambda grad_dtype, tolerance: grad_dtype)
         torch.manual_seed(0)
         model = make()
         return preflight(model, fp32_mse_microbatch, _bf16_batches(n, tokens), loss_fn=fp32_mse_loss)

@@ -74,9 +74,9 @@ def test_fp8_scaling_state_is_fixed_per_run_and_restored() -> None:
 
 def test_without_the_state_pairs_the_drift_reads_as_a_gradient_anomaly(monkeypatch) -> None:
     """The stand-in is strong enough to matter: with the FP8 state left to drift, preflight does not pass."""
-    from maingrad.hooks.preflight import run as run_module
+    from maingrad.hooks.preflight import check as check_module
 
-    monkeypatch.setattr(run_module, "fp8_state_pairs", lambda model, tensors=None: [])
+    monkeypatch.setattr(check_module, "fp8_state_pairs", lambda model, tensors=None: [])
     model = _model()
     batches = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     for b in batches:

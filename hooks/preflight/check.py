@@ -1,0 +1,394 @@
+"""One preflight call's state and runs: the wrapper's calls, the runs from zeroed buffers (every micro-batch
+alone, then all of them in the rotated order, then the repeat where a verdict could be noise) and the loss
+evaluations the finite differences make. The finite differences themselves live in `loss_fd.py` (on the
+loss) and `local_fd.py` (on a module's own output, inside the runs' backwards); `Check` owns one of each,
+and both read the runs' state from it. `run.py` drives the call; `classify.py` turns the numbers into
+verdicts."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+
+from maingrad.hooks.preflight import local
+from maingrad.hooks.preflight.local_fd import LocalFD
+from maingrad.hooks.preflight.loss_fd import LossFD
+from maingrad.hooks.preflight.measure import (
+    SUBSET,
+    Dist,
+    Stats,
+    Subsets,
+    copies,
+    copy_dtype,
+    flat,
+    foreach_add_,
+    foreach_mul_,
+    foreach_sub_,
+    fused_kinds,
+    leaf_pattern,
+    norms,
+    some,
+    unit_roundoff,
+)
+from maingrad.hooks.preflight.result import ParamResult
+from maingrad.hooks.preflight.state import RngPair, RngState, StepStart, fp8_state_pairs, fp8_tensors
+from maingrad.hooks.preflight.wrappers import Adapter, Entry
+
+# the fit-by-position verdicts whose residual can rule out run-to-run noise (0/1 patterns: a random scale per
+# backward would have to be about 1 to make them, while any other coefficient could be such a scale), and the
+# fewest subset elements for that, per direction of the fit (N singles and the sequence)
+NOT_NOISE_IF_FITTED = frozenset({"grad_overwritten", "grad_lost"})
+FIT_DIM = 16
+
+RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
+LossFn = Callable[[torch.nn.Module, Any], Any]
+FP8_FD_RTOL = 0.25  # 4 units of e4m3's round-off: an FP8 weight's factor within 1.25 is not judged
+
+
+class Check:
+    """One preflight call: the runs, the wrapper's calls and their bookkeeping; its finite differences on the
+    loss (`loss_fd`) and on the modules' outputs (`local_fd`)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        run_microbatch: RunMicrobatch,
+        batches: list[Any],
+        *,
+        loss_fn: LossFn | None,
+        adapter: Adapter,
+        params: str | Sequence[str] | None,
+        finite_differences: bool,
+        fd_groups: str,
+        fd_step: float | None,
+        fd_rtol: float | None,
+        rtol: float | None,
+        rng_states: Sequence[RngPair],
+        module_fd: bool = True,
+    ) -> None:
+        self.model = model
+        self.run_microbatch = run_microbatch
+        self.batches = batches
+        self.loss_fn = loss_fn
+        self.adapter = adapter
+        self.finite_differences = finite_differences
+        self.fd_groups = fd_groups
+        self.fd_step = fd_step
+        self.fd_rtol = fd_rtol
+        self.rtol = rtol
+        n = len(batches)
+        self.order = (
+            [*range(1, n), 0] if n > 1 else [0, 0]
+        )  # the sequence, rotated by one against the singles
+        entries = adapter.entries
+        if params is not None:
+            patterns = [params] if isinstance(params, str) else list(params)
+            entries = [e for e in entries if any(fnmatch.fnmatchcase(e.name, pat) for pat in patterns)]
+        self.entries: list[Entry] = entries
+        self.passes = 0
+        self.forwards = 0
+        self.syncs = 0
+        self.timings: dict[str, float] = {}
+        self.dist = Dist(sharded=adapter.sharded)
+        kinds = fused_kinds(model)
+        self.results = [self._result(e, kinds.get(e.name)) for e in entries]
+        self.stats = Stats(len(entries), self.dist)
+        self.subsets = Subsets(entries)
+        self.present: dict[str, set[int]] = {}
+        self.copy: list[torch.Tensor | None] = [None] * len(entries)
+        self.copy_bytes = 0
+        self.copy_dtypes: set[str] = set()
+        # per parameter whose only failure is the fit by position: (its coefficients by micro-batch, the
+        # singles' squared norm on its subset); the fit's residual decides whether the repeat is needed
+        self.fits: dict[int, tuple[list[float], float]] = {}
+        self.first_loss: Any = None
+        fp8 = fp8_tensors(model)
+        self.rng = RngState([*fp8_state_pairs(model, fp8), *rng_states])
+        self.fp8_known = {id(t) for t in fp8}
+        self.step_start = StepStart(model)
+        self.owners = {id(p): m for m in model.modules() for p in m._parameters.values() if p is not None}
+        self.fp8_entries: set[int] = set()  # parameters whose module computed in FP8 (known after a run)
+        self.synced = False  # prepare() or commit() ran after the last change of the weights
+        self.zeroed = False  # zero() ran after the last backward
+        self.uninstalled = False  # weights moved or restored in place since the last commit()
+        self.loss_unit = unit_roundoff(
+            torch.float32
+        )  # the loss's round-off (coarser for a bf16 loss: `loss`)
+        # (pyright reads this file also as `hooks.preflight.check`, the folder it lives in, where the parts
+        # expect the installed name's `Check`: the same class)
+        self.loss_fd = LossFD(self)  # pyright: ignore[reportArgumentType]
+        self.local_fd = LocalFD(self, module_fd)  # pyright: ignore[reportArgumentType]
+
+    def _result(self, e: Entry, kind: str | None) -> ParamResult:
+        module_type = f"{e.parent_type}/{e.owner_type}.{leaf_pattern(e.leaf)}"
+        mechanism = kind or "autograd"
+        if self.fd_groups == "param":
+            group = e.name
+        elif self.fd_groups == "module_type":
+            group = f"{mechanism}:{module_type}"
+        else:
+            group = mechanism
+        return ParamResult(
+            name=e.name,
+            module=e.module,
+            leaf=e.leaf,
+            module_type=module_type,
+            mechanism_kind=mechanism,
+            group=group,
+            numel=int(e.opt_param.numel()),
+        )
+
+    def tolerance(self, i: int, grad_dtype: torch.dtype) -> float:
+        """Linearity tolerance of parameter i: 8 units of round-off of the least precise of the gradient's,
+        the compute and the optimizer parameter's dtypes (at least 4e-6), or the caller's rtol."""
+        e = self.entries[i]
+        u = max(
+            unit_roundoff(grad_dtype),
+            unit_roundoff(self.adapter.compute_dtype(e)),
+            unit_roundoff(e.opt_param.dtype),
+        )
+        return self.rtol if self.rtol is not None else max(8 * u, 4e-6)
+
+    def fd_tolerance(self, i: int) -> float:
+        """How far a reported gradient may differ from the loss's derivative beyond the estimate's error bar:
+        16 units of round-off of the compute dtype (the backward's own rounding), FP8_FD_RTOL for a weight of
+        a module that computes in FP8 (its forward and backward GEMMs round operands to 3 or 2 mantissa bits),
+        or the caller's fd_rtol."""
+        if self.fd_rtol is not None:
+            return self.fd_rtol
+        if i in self.fp8_entries:
+            return FP8_FD_RTOL
+        return 16 * unit_roundoff(self.adapter.compute_dtype(self.entries[i]))
+
+    def adopt_fp8_state(self) -> bool:
+        """After the first run: TE creates its FP8 scaling state at a module's first FP8 forward, so a model that
+        never ran one ran that micro-batch with fresh scales and left new ones. Fix the new state from now on
+        and say whether the run must be repeated (every run must start from the same state). Also notes which
+        parameters computed in FP8."""
+        self.fp8_entries = {
+            i
+            for i, e in enumerate(self.entries)
+            if getattr(self.owners.get(id(e.raw_param)), "fp8", False) is True
+        }
+        new = [t for t in fp8_tensors(self.model) if id(t) not in self.fp8_known]
+        if not new:
+            return False
+        self.fp8_known.update(id(t) for t in new)
+        self.rng.adopt(fp8_state_pairs(self.model))
+        self.stats = Stats(len(self.entries), self.dist)
+        self.subsets = Subsets(self.entries)
+        self.present = {}
+        self.copy = [None] * len(self.entries)
+        self.copy_bytes = 0
+        self.copy_dtypes = set()
+        self.first_loss = None
+        return True
+
+    # -- the wrapper's calls ----------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """The training loop's `start_param_sync()` after the weights changed (and before the first run)."""
+        if not self.synced:
+            self.adapter.prepare()
+            self.synced = True
+
+    def commit(self) -> None:
+        """Install weights moved in place (and prepare them for the next forward)."""
+        self.adapter.commit()
+        self.synced, self.uninstalled = True, False
+
+    def _zero(self) -> None:
+        """Zero the gradient buffers through the wrapper, unless nothing ran backward since they were zeroed."""
+        if not self.zeroed:
+            self.adapter.zero()
+            self.zeroed = True
+
+    def _microbatch(self, batch: Any) -> Any:
+        self.rng.apply()
+        self.zeroed = False
+        loss = self.run_microbatch(self.model, batch)
+        self.passes += 1
+        return loss
+
+    def host(self, keys: Sequence[str] | None = None) -> dict[str, list[float | None]]:
+        self.syncs += 1
+        return self.stats.host(keys)
+
+    # -- runs -------------------------------------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for e in self.entries:
+            g = self.adapter.grad(e)
+            out.append(None if g is None else flat(g))
+        return out
+
+    def _run(
+        self, key: str, which: Sequence[int], probe: local.LocalProbe | None = None
+    ) -> list[torch.Tensor | None]:
+        """Zero; read what the optimizer would see right after zeroing (must be nothing); run the micro-batches
+        `which` from the saved random state each; finish the sync. Returns the wrapper's own flattened
+        gradients (never kept past the next run); their squared norms and subsets are recorded under `key`."""
+        self._prepare()
+        self._zero()
+        left = self._grads()
+        stale = [i for i, f in enumerate(left) if f is not None]
+        if stale:
+            self.stats.add("stale2", stale, norms(some(left, stale)) ** 2)
+            self.stats.add("stale_n", stale, torch.ones(len(stale)), shard_sum=False)
+        del left
+        self.step_start.begin()
+        with probe.watching() if probe is not None else contextlib.nullcontext():
+            for b in which:
+                if probe is not None:
+                    probe.current = b
+                loss = self._microbatch(self.batches[b])
+                if key == "s0" and self.loss_fn is None:
+                    self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        self.adapter.finish()
+        flats = self._grads()
+        present = [i for i, f in enumerate(flats) if f is not None]
+        self.present[key] = set(present)
+        if present:
+            self.stats.add(f"n:{key}", present, norms(some(flats, present)) ** 2)
+        self.subsets.take(key, flats)
+        return flats
+
+    def first(self) -> None:
+        """The first micro-batch alone; its gradient is copied (rounded) for the finite differences' directions
+        and the sum of the singles, then the wrapper's own gradients are released."""
+        flats = self._run("s0", [0])
+        for i, f in enumerate(flats):
+            if f is not None:
+                self.results[i].dtype = str(f.dtype)
+        idx = [i for i, f in enumerate(flats) if f is not None]
+        live = some(flats, idx)
+        views = copies(
+            live, [copy_dtype(f.dtype, self.tolerance(i, f.dtype)) for i, f in zip(idx, live, strict=True)]
+        )
+        for i, view in zip(idx, views, strict=True):
+            self.copy[i] = view
+            self.copy_bytes += view.numel() * view.element_size()
+            self.copy_dtypes.add(str(view.dtype))
+        del flats, live
+        self._zero()  # releases the wrapper's own G (Megatron-FSDP, plain .grad) while the weights move
+        if self.local_fd.on:
+            self.local_fd.find_tensors()
+
+    def singles(self) -> None:
+        """The other micro-batches alone, each added into the copy (the sum of the singles, rounded once)."""
+        last = len(self.batches) - 1
+        for k in range(1, len(self.batches)):
+            probe = self.local_fd.screening() if k == 1 else None
+            flats = self._run(f"s{k}", [k], probe)
+            if probe is not None:
+                self.local_fd.judge(probe, flats, screening=True)
+            adds: list[int] = []
+            for i in self.present[f"s{k}"]:
+                f = cast(torch.Tensor, flats[i])
+                if self.copy[i] is None:
+                    dtype = copy_dtype(f.dtype, self.tolerance(i, f.dtype))
+                    self.copy[i] = f.to(dtype, copy=True)
+                    self.copy_bytes += f.numel() * dtype.itemsize
+                    self.copy_dtypes.add(str(dtype))
+                else:
+                    adds.append(i)
+            if adds:  # one multi-tensor launch, not one add per parameter
+                foreach_add_(some(self.copy, adds), some(flats, adds))
+            if k == last:
+                self.local_fd.plan_refinement(flats, k)
+            del flats
+
+    def sequence(self) -> None:
+        """All micro-batches accumulated in the rotated order, subtracted from the sum of the singles in place."""
+        copy = self.copy
+        held = [i for i, c in enumerate(copy) if c is not None]
+        if len(self.batches) == 1 and held:
+            foreach_mul_(some(copy, held), 2.0)  # (A, A) against 2 G(A)
+        probe = self.local_fd.refinement()
+        flats = self._run("seq", self.order, probe)
+        self.local_fd.judge_refinement(probe, copy)
+        both = [i for i in self.present["seq"] if copy[i] is not None]
+        if both:
+            cs = some(copy, both)
+            foreach_sub_(cs, some(flats, both))
+            self.stats.add("d2", both, norms(cs) ** 2)
+        only_seq = [i for i in self.present["seq"] if copy[i] is None]
+        if only_seq:
+            self.stats.add("d2", only_seq, norms(some(flats, only_seq)) ** 2)
+        gone = [i for i in held if i not in self.present["seq"]]
+        if gone:  # a gradient that vanished in the sequence counts as zero there
+            self.stats.add("d2", gone, norms(some(copy, gone)) ** 2)
+            self.stats.add("n:seq", gone, torch.zeros(len(gone)))
+            self.present["seq"].update(gone)
+        del flats
+        self.copy = [None] * len(copy)
+        keys = [f"s{k}" for k in range(len(self.batches))] + ["seq"]
+        self.subsets.gram(self.stats, keys)
+
+    def needs_repeat(self, suspects: list[int]) -> list[int]:
+        """The failing parameters whose evidence run-to-run noise could explain: the ones the repeat decides.
+
+        An overwritten or lost gradient named by the fit by position alone, whose residual |G(seq) - sum_k c_k
+        G(k)| on the subset is below an eighth of the linearity tolerance of the singles' norm, is not noise:
+        runs that differ by d (relative) leave about d of each run outside the span of the singles (on a subset
+        of at least FIT_DIM elements per direction: N singles and the sequence), and the repeat calls a
+        difference above half the tolerance nondeterminism. A random scale per backward stays inside the span,
+        but would have to be near -1 or 0 to make those 0/1 coefficients. Those skip the repeat (one
+        forward+backward less on the failing path); every other failing verdict, a coefficient tied to the
+        backward count included, gets it."""
+        keys = [f"s{k}" for k in range(len(self.batches))] + ["seq"]
+        fitted = {
+            i: [*self.fits[i][0], -1.0]
+            for i in suspects
+            if i in self.fits
+            and min(self.results[i].numel, SUBSET) >= FIT_DIM * len(keys)
+            and set(self.results[i].anomalies) <= NOT_NOISE_IF_FITTED
+        }
+        if not fitted:
+            return suspects
+        self.subsets.residual2(self.stats, "fit_res2", keys, fitted)
+        column = self.host(["fit_res2"])["fit_res2"]
+        left = []
+        for i in suspects:
+            res2 = column[i]
+            if i not in fitted or res2 is None or not self.fits[i][1] > 0:
+                left.append(i)
+                continue
+            r = self.results[i]
+            r.fit_residual = math.sqrt(max(res2, 0.0) / self.fits[i][1])
+            if not r.fit_residual <= r.tolerance / 8:
+                left.append(i)
+        return left
+
+    def repeat(self, suspects: list[int]) -> dict[str, list[float | None]]:
+        """The first micro-batch again from zeroed buffers, compared with its first run on the subset."""
+        self._run("r", [0])
+        self.subsets.distance2(self.stats, "rep2", "r", "s0", suspects)
+        self.subsets.gram(self.stats, ["s0"], only=suspects)
+        return self.host()
+
+    # -- loss evaluations (the finite differences': `loss_fd.py`) ---------------------------------------------
+    def loss(self, batch: Any) -> torch.Tensor:
+        self.step_start.begin()  # the weights moved: a new step's FP8 cast
+        if self.loss_fn is not None:
+            self.rng.apply()
+            self.forwards += 1
+            with torch.no_grad():
+                loss = self.loss_fn(self.model, batch)
+        else:
+            self._prepare()
+            self._zero()
+            loss = self._microbatch(batch)
+            self.adapter.finish()
+        if loss is None:
+            raise ValueError(
+                "finite differences need the loss: pass loss_fn=, or return the loss from run_microbatch"
+            )
+        if not isinstance(loss, torch.Tensor):
+            loss = torch.tensor(float(loss))
+        self.loss_unit = max(self.loss_unit, unit_roundoff(loss.dtype))  # a bf16 loss is quantized to it
+        return self.dist.mean_loss(loss)

@@ -1,0 +1,611 @@
+"""Finite differences on the loss (`measure.py` for the estimate): central differences of the first
+micro-batch's loss along its reported gradient, at two steps that must agree within the measured noise, per
+group, bisected down to the parameters responsible where a group deviates; zero gradients along random
+directions. `LossFD` keeps the probes' state (the noise, the probe tree, each weight's bound) and moves the
+weights through its `Check` (`check.py`), which owns the runs, the wrapper's calls and the loss evaluation;
+how a probe moves the weights is `moves.py`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from maingrad.hooks.preflight import judge
+from maingrad.hooks.preflight.measure import (
+    E_MAX,
+    FD_CHUNK,
+    FOREACH_OPS,
+    STEP0,
+    STEP_MAX,
+    Z_MOVE,
+    ZERO_STEP0,
+    Estimate,
+    chunks,
+    copies,
+    foreach_copy_,
+    judge_levels,
+    unit_roundoff,
+)
+from maingrad.hooks.preflight.moves import CANDIDATE_STEPS, Along, Moves
+from maingrad.hooks.preflight.result import Probe
+
+if TYPE_CHECKING:
+    from maingrad.hooks.preflight.check import Check
+
+NOISE_SHARE = 4  # the first pair's smaller step: noise at most E_MAX / NOISE_SHARE of the predicted change
+SMALL_MOVE = 1 << 16  # weights up to this many elements move and are predicted with multi-tensor launches
+UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
+
+
+class _Node:
+    """A probe while it is being measured: its parameters, levels step -> (C, P), and bisection links."""
+
+    def __init__(self, probe: Probe, indexes: list[int], tol: float) -> None:
+        self.probe = probe
+        self.indexes = indexes
+        self.tol = tol
+        # the groups a combined probe holds (it is split along them first)
+        self.parts: list[tuple[str, list[int]]] = []
+        self.halvings = 0  # splits of a group's own parameters above this node (not of a combined probe)
+        self.levels: dict[float, tuple[float, float]] = {}
+        self.parent: _Node | None = None
+        self.sibling: _Node | None = None
+        self.inferred: set[float] = set()  # steps whose levels are the parent's minus the sibling's
+        # an ancestor's reliable estimate is within a single parameter's tolerance: each weight here is bounded
+        # by it (`resolution`), so where this probe's own estimate does not check itself that bound stands
+        self.bounded = False
+
+    @property
+    def zero(self) -> bool:
+        return self.probe.zero_gradient
+
+
+class LossFD:
+    """The loss-level finite differences of one preflight call: its probes, the measured noise and what each
+    weight's probe could hide."""
+
+    def __init__(self, check: Check) -> None:
+        self.check = check
+        self.evaluations = 0
+        self.rounds = 0
+        self.probes: list[Probe] = []
+        self.noise = 0.0
+        self.invisible = False  # no probe's perturbation ever moved the loss (set by probe_first())
+        self.loss_level = 0.0
+        self.zero_noise = 0.0
+        self.residuals: list[float] = []  # |C - r P| at the accepted steps of reliable estimates
+        self.fd_group_count = 0  # groups probed (the combined probe counts its groups)
+        self.later: list[int] = []  # parameters with no gradient on the first micro-batch (probe_rest)
+        self.fd_batches = [0]  # the micro-batches whose summed loss the finite differences evaluate
+        self.noise_measured = False
+        self.step_mult: list[float] = []  # per parameter, its step multiplier (`Moves.mult`) in the last pass
+        # per parameter: its predicted change per candidate step; 1 + the relative error its probe could hide
+        self.weight_gains: dict[int, list[float]] = {}
+        self.resolution: dict[int, float] = {}
+        self.sizes: list[float] = []  # per entry: |weights| (floored), from the first probe's norms
+        self.gnorms: list[float] = []  # per entry: |G(first)|
+
+    def evaluate(
+        self,
+        indexes: Sequence[int],
+        delta: Callable[[int, torch.Tensor], torch.Tensor],
+        grads: list[torch.Tensor | None],
+        sign: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss of the first micro-batch with each weight i of `indexes` moved by sign x delta(i, weight), and
+        <G, the move as the forward computes with it (rounded to the compute dtype)>; the weights are restored
+        bit for bit before returning (installed by the next commit)."""
+        adapter = self.check.adapter
+        targets = [adapter.target(self.check.entries[i]) for i in indexes]
+        with torch.no_grad():
+            saved = copies(targets)
+        parts: list[torch.Tensor] = []
+        try:
+            self.check.synced, self.check.uninstalled = False, True  # the weights move from here on
+            with torch.no_grad():
+                batched: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[int, int]]] = {}
+                same: dict[
+                    tuple[torch.device, torch.dtype, torch.dtype],
+                    list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                ] = {}
+                for j, (i, t) in enumerate(zip(indexes, targets, strict=True)):
+                    g = grads[i]
+                    if (
+                        isinstance(delta, Along)
+                        and g is not None
+                        and g.numel() == t.numel() <= SMALL_MOVE
+                        and adapter.compute_dtype(self.check.entries[i]) == t.dtype
+                    ):
+                        batched.setdefault((t.device, t.dtype, g.dtype), []).append((j, i))
+                done = {j for members in batched.values() for j, _ in members}
+                for members in batched.values():
+                    self._move_small(members, targets, grads, cast(Along, delta), sign)
+                for j, (i, t, old) in enumerate(zip(indexes, targets, saved, strict=True)):
+                    g = grads[i]
+                    if j not in done:  # (the small ones moved above)
+                        if isinstance(delta, Along) and g is not None and g.numel() == t.numel():
+                            t.add_(g.view(t.shape), alpha=sign * delta.factor(i, t))
+                        else:
+                            d = delta(i, t)
+                            t.add_(d, alpha=sign)
+                            del d
+                    if g is None:
+                        continue
+                    cdt = adapter.compute_dtype(self.check.entries[i])
+                    if cdt == t.dtype:
+                        same.setdefault((t.device, t.dtype, g.dtype), []).append((t, old, g.view(t.shape)))
+                        continue
+                    moved = (t.to(cdt).float() - old.to(cdt).float()).reshape(-1)
+                    parts.append(torch.sum(moved * g, dtype=torch.float32))
+                    del moved
+                for (_, dtype, _), items in same.items():
+                    parts += self._predictions(items, dtype)
+            self.check.commit()
+            loss = self.check.loss(self.check.batches[self.fd_batches[0]])
+            for b in self.fd_batches[1:]:
+                loss = loss + self.check.loss(self.check.batches[b])
+            self.evaluations += 1
+        finally:
+            with torch.no_grad():
+                foreach_copy_(targets, saved)
+            self.check.synced, self.check.uninstalled = False, True  # restored, installed by the next commit
+        device = loss.device
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for part in parts:
+            by_kind.setdefault((part.device, part.dtype), []).append(part)
+        pred = torch.zeros((), device=device, dtype=torch.float64)
+        for kind in by_kind.values():  # one stack per kind, summed in fp64 (not one cast per weight)
+            pred = pred + torch.stack(kind).to(device=device, dtype=torch.float64).sum()
+        return loss, pred
+
+    def _move_small(
+        self,
+        members: list[tuple[int, int]],
+        targets: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        delta: Along,
+        sign: float,
+    ) -> None:
+        """Small weights of one device and dtype (biases, norms: most of a model's parameters, a sliver of its
+        elements) moved with multi-tensor launches instead of one add per weight, and the same moves (their
+        predictions go with the others', `_predictions`). (The noise's jitter stays per weight: its draw is the
+        noise estimate's one sample.)"""
+        ts = [targets[j] for j, _ in members]
+        gs = [cast(torch.Tensor, grads[i]).view(targets[j].shape) for j, i in members]
+        factors = [sign * delta.factor(i, targets[j]) for j, i in members]
+        # t + factor x g x 1, rounded once (as t.add_(g, alpha=factor)): the same moves as one weight at a time
+        ones = torch.ones(sum(t.numel() for t in ts), device=ts[0].device, dtype=gs[0].dtype)
+        units = [p.view(t.shape) for p, t in zip(ones.split([t.numel() for t in ts]), ts, strict=True)]
+        FOREACH_OPS._foreach_addcmul_(ts, gs, units, factors)
+
+    @staticmethod
+    def _predictions(
+        items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """<G, move> summed over weights (moved, saved start, gradient) of one dtype the forward computes in,
+        a group of up to 2 x FD_CHUNK elements at a time (bounded scratch): multi-tensor launches instead of
+        three per weight. Two nearby numbers of one format differ by a number of that format (Sterbenz): the
+        move as the forward sees it, in the weight's own dtype, without fp32 copies of both. Accumulated in
+        fp32 (a tree reduction) unless the model is fp64: an fp64 sum would first cast the whole product."""
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        out: list[torch.Tensor] = []
+        for group in chunks(
+            list(range(len(items))), [items[k][0].numel() for k in range(len(items))], 2 * FD_CHUNK
+        ):
+            moved = FOREACH_OPS._foreach_sub([items[k][0] for k in group], [items[k][1] for k in group])
+            products = FOREACH_OPS._foreach_mul(moved, [items[k][2] for k in group])
+            del moved
+            flat = (
+                products[0].reshape(-1)
+                if len(products) == 1
+                else torch.cat([p.reshape(-1) for p in products])
+            )
+            del products
+            out.append(flat.sum(dtype=acc))
+        return out
+
+    def probe_first(self) -> None:
+        """The probes on the first micro-batch's loss, along its gradient: one combined probe of every group
+        (each group moved at its own step, scaled to a comparable share of the predicted change), split into
+        the groups and then bisected where an estimate deviates; one host transfer per round. Parameters
+        whose gradient is zero on that micro-batch wait for `fd_rest`."""
+        moves = Moves(self.check)
+        self.step_mult = moves.mult
+        self.gnorms = list(moves.gnorm)
+        self.sizes = [moves.size(i, e.raw_param) for i, e in enumerate(self.check.entries)]
+        usable = [
+            i for i in range(len(self.check.entries)) if math.isfinite(moves.gnorm[i])
+        ]  # else no direction
+        self.later = [i for i in usable if not moves.gnorm[i] > 0.0]
+        now = [i for i in usable if moves.gnorm[i] > 0.0]
+        roots = self._probe(moves, now, [], "")
+        self._check_visible(roots)
+
+    def probe_rest(self) -> None:
+        """After the singles, the parameters with no gradient on the first micro-batch, on the loss summed over
+        every micro-batch: along the sum of the singles where that is not zero (an expert that got tokens
+        only in a later micro-batch), along a random direction where it is (`lost` when that loss moves,
+        `unused` only when it does not: an expert idle in one micro-batch is not unused)."""
+        if not self.later:
+            return
+        n = len(self.check.batches)
+        self.fd_batches = list(range(n))
+        # a sum of n losses: its noise is measured again (below) where the weights allow; its round-off and
+        # the residuals of the first micro-batch's estimates scale with n
+        self.noise *= n
+        self.loss_level *= n
+        self.residuals = [r * n for r in self.residuals]
+        self.noise_measured = False
+        moves = Moves(self.check)
+        self.step_mult = moves.mult
+        usable = [i for i in self.later if math.isfinite(moves.gnorm[i])]
+        nonzero = [i for i in usable if moves.gnorm[i] > 0.0]
+        zero = [i for i in usable if not moves.gnorm[i] > 0.0]
+        zero = self.check.local_fd.defer(zero)  # the sequence's module reruns judge these first
+        self._probe(moves, nonzero, zero, " (all micro-batches)" if n > 1 else "")
+
+    def probe_left(self) -> None:
+        """Zero-gradient weights the module reruns left without a verdict: on the loss, along random directions."""
+        left = self.check.local_fd.left()
+        if not left:
+            return
+        moves = Moves(self.check)
+        self.step_mult = moves.mult
+        n = len(self.check.batches)
+        self._probe(moves, [], left, " (all micro-batches)" if n > 1 else "")
+
+    def _probe(self, moves: Moves, nonzero: list[int], zero: list[int], suffix: str) -> list[_Node]:
+        """Probe `nonzero` along the gradient copy and `zero` along random directions until every probe has
+        a verdict; the root probes."""
+        groups: dict[tuple[str, bool], list[int]] = {}
+        for i in nonzero:
+            groups.setdefault((self.check.results[i].group, False), []).append(i)
+        for i in zero:
+            groups.setdefault((self.check.results[i].group, True), []).append(i)
+        parts = [(key + suffix, indexes) for (key, z), indexes in groups.items() if not z]
+        self.fd_group_count += len(groups)
+        roots: list[_Node] = []
+        if len(parts) > 1:
+            root = self._node(
+                f"all {len(parts)} groups{suffix}", [i for _, idx in parts for i in idx], False, 0
+            )
+            root.parts = parts
+            roots.append(root)
+        else:
+            roots += [self._node(key, indexes, False, 0) for key, indexes in parts]
+        for (key, z), indexes in groups.items():
+            if z:
+                roots.append(self._node(key + " (zero gradient)" + suffix, indexes, True, 0))
+        if (parts or zero) and moves.nonzero and not self.noise_measured:
+            self._round(moves, [], True)  # the noise first: it sets the first steps
+        requests: list[tuple[_Node, float]] = []
+        first = self._first_steps(parts, moves)
+        for node in roots:
+            s0 = ZERO_STEP0 if node.zero else first
+            requests += [(node, s0), (node, s0 / 2)]
+        waiting: list[_Node] = []
+        while requests:
+            touched = self._round(moves, requests, False)
+            requests = []
+            for node in touched:
+                if node.zero:
+                    waiting.append(node)  # judged once the nonzero probes have measured the noise
+                    continue
+                requests += self._judge(node, self.noise)
+            if waiting and not any(not node.zero for node, _ in requests):
+                self.zero_noise = self._zero_noise()
+                for node in waiting:
+                    requests += self._judge(node, self.zero_noise)
+                waiting = []
+        return roots
+
+    def _first_steps(self, parts: list[tuple[str, list[int]]], moves: Moves) -> float:
+        """The larger step of the first pair, with each group's multiplier set in `moves.mult`.
+
+        A group's own step is the caller's fd_step, else twice the smallest power of two at which the measured
+        noise is at most E_MAX / NOISE_SHARE of its predicted change. Truncation grows with the step and
+        rounding shrinks, so the smallest step where rounding is small enough is where two steps most often
+        agree at once (on the H200, the 541M GPT's three groups each agreed at their first pair). The predicted
+        change is estimated before any forward on each weight's subset, with the move rounded to the dtype the
+        forward computes in: in bf16 most elements of a small move round to nothing, so the change is far
+        below step x |w| x |g| there. With an fp32 (or wider) forward, rounding allows tiny steps; a group's
+        step stays at least STEP0 there, where the estimate is more precise.
+
+        The groups are then probed together: each group's step is lowered (by powers of two, never below the
+        noise condition of the smallest group's change) until its predicted change is within 2x of the
+        smallest group's, so that a group off by x2 moves the combined ratio by a third or more of that, not
+        by its share of a change another group dominates; the multipliers make every later probe of a group
+        move it exactly as the combined one did."""
+        if not parts:
+            return STEP0
+        if self.check.fd_step is not None:
+            return self.check.fd_step
+        gains, per_weight = moves.rounded_gains(
+            [[i for i in idx if i in moves.nonzero_set] for _, idx in parts]
+        )
+        self.weight_gains.update(per_weight)
+        self.check.syncs += 1
+        threshold = max(self.noise, self._floor()) * NOISE_SHARE / E_MAX
+        chosen: list[int] = []  # per group, an index into CANDIDATE_STEPS (larger step: smaller index)
+        for (_, indexes), gain in zip(parts, gains, strict=True):
+            # the change grows with the step: the steps above the threshold are the larger ones
+            ok = [k for k, g in enumerate(gain) if abs(g) >= threshold]
+            k = max(ok[-1] - 1, 0) if ok else 0
+            wide = all(
+                unit_roundoff(self.check.adapter.compute_dtype(self.check.entries[i])) <= 2.0**-20
+                for i in indexes
+            )
+            if wide:
+                k = min(k, CANDIDATE_STEPS.index(STEP0))
+            chosen.append(k)
+        smallest = min(abs(g[k]) for g, k in zip(gains, chosen, strict=True))
+        for j, gain in enumerate(gains):
+            while chosen[j] + 1 < len(CANDIDATE_STEPS) and abs(gain[chosen[j]]) > 2 * smallest:
+                if abs(gain[chosen[j] + 1]) < max(smallest / 2, threshold):
+                    break
+                chosen[j] += 1
+        top = min(chosen)
+        for (_, indexes), k in zip(parts, chosen, strict=True):
+            for i in indexes:
+                moves.mult[i] = CANDIDATE_STEPS[k] / CANDIDATE_STEPS[top]
+        return min(CANDIDATE_STEPS[top], STEP_MAX)
+
+    def _round(self, moves: Moves, requests: list[tuple[_Node, float]], first: bool) -> list[_Node]:
+        """Evaluate every requested (probe, step) at +- the step (and, in the first round, the noise), install
+        the restored weights once, bring the numbers to the host in one transfer; the probes touched."""
+        pending: list[tuple[_Node, float, torch.Tensor, torch.Tensor]] = []
+        noise_parts: list[torch.Tensor] = []
+        if first and moves.nonzero:
+            plus, pp = self.evaluate(moves.nonzero, moves.jitter, moves.directions, 1.0)
+            minus, pm = self.evaluate(moves.nonzero, moves.jitter, moves.directions, -1.0)
+            noise_parts = [(plus - minus) / 2, (plus + minus) / 2, (pp - pm) / 2]
+        for node, step in requests:
+            if step in node.inferred:
+                continue
+            maker = moves.random(step) if node.zero else moves.along(step)
+            lp, pp = self.evaluate(node.indexes, maker, moves.directions, 1.0)
+            lm, pm = self.evaluate(node.indexes, maker, moves.directions, -1.0)
+            pending.append((node, step, (lp.double() - lm.double()) / 2, (pp - pm) / 2))
+        self.check.commit()  # the restored weights, installed once per round
+        self.rounds += 1
+        cs, ps = self._to_host(
+            [c for _, _, c, _ in pending] + noise_parts[:2], [p for _, _, _, p in pending] + noise_parts[2:]
+        )
+        if first and noise_parts:
+            self.noise_measured = True
+            c_j, l_mean, p_j = cs[len(pending)], cs[len(pending) + 1], ps[len(pending)]
+            self.loss_level = l_mean
+            self.noise = max(2 * abs(c_j - p_j), self._floor())
+        touched: list[_Node] = []
+        for j, (node, step, _, _) in enumerate(pending):
+            node.levels[step] = (cs[j], ps[j])
+            if node not in touched:
+                touched.append(node)
+        for node, _ in requests:
+            if node.inferred and node not in touched:
+                parent, sibling = cast(_Node, node.parent), cast(_Node, node.sibling)
+                for step in sorted(node.inferred):
+                    if step in parent.levels and step in sibling.levels:
+                        pc, pp_ = parent.levels[step]
+                        sc, sp = sibling.levels[step]
+                        node.levels[step] = (pc - sc, pp_ - sp)
+                node.inferred = set()
+                touched.append(node)
+        return touched
+
+    def _judge(self, node: _Node, noise: float) -> list[tuple[_Node, float]]:
+        levels = [(s, c, p) for s, (c, p) in node.levels.items()]
+        est = judge_levels(levels, noise, node.zero, self._floor())
+        node.probe.levels = sorted(levels, reverse=True)
+        node.probe.noise = noise
+        if est.next_step is not None:
+            return [(node, est.next_step)]
+        if not node.zero and est.reliable and est.ratio is not None and est.pair is not None:
+            r = est.ratio
+            self.residuals += [
+                abs(node.levels[s][0] - r * node.levels[s][1]) for s in est.pair if s in node.levels
+            ]
+        return self._finish(node, est)
+
+    def _floor(self) -> float:
+        """The loss's own round-off: 8 units of fp32, or 2 units of the loss's dtype where that is coarser
+        (a bf16 loss moves in steps of its unit: a central difference is off by up to one)."""
+        return max(8 * unit_roundoff(torch.float32), 2 * self.check.loss_unit) * abs(self.loss_level)
+
+    def _zero_noise(self) -> float:
+        """The noise zero-gradient probes are judged against: the jitter's, or what the reliable estimates
+        show (the largest residual of their accepted steps) where that is smaller; never below the loss's
+        own fp32 round-off."""
+        floor = self._floor()
+        if self.residuals:
+            return max(min(self.noise, 2 * max(self.residuals)), floor)
+        return max(self.noise, floor)
+
+    def _node(self, key: str, indexes: list[int], zero: bool, depth: int) -> _Node:
+        probe = Probe(
+            key=key, names=[self.check.entries[i].name for i in indexes], zero_gradient=zero, depth=depth
+        )
+        probe.unit = max(
+            unit_roundoff(self.check.adapter.compute_dtype(self.check.entries[i])) for i in indexes
+        )
+        probe.method = "central, random direction" if zero else "central, two steps"
+        self.probes.append(probe)
+        return _Node(probe, indexes, max(self.check.fd_tolerance(i) for i in indexes))
+
+    def _to_host(self, cs: list[torch.Tensor], ps: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+        """Loss changes (already averaged over ranks) and predictions (summed over shards): one transfer."""
+        self.check.syncs += 1
+        if not cs and not ps:
+            return [], []
+        device = (cs or ps)[0].device
+        c = (
+            torch.stack([x.to(device).double().reshape(()) for x in cs])
+            if cs
+            else torch.zeros(0, device=device)
+        )
+        p = (
+            torch.stack([x.to(device).double().reshape(()) for x in ps])
+            if ps
+            else torch.zeros(0, device=device)
+        )
+        p = self.check.dist.sum_stats(p)
+        values = torch.cat([c, p]).cpu().tolist()
+        return values[: len(cs)], values[len(cs) :]
+
+    def _finish(self, node: _Node, est: Estimate) -> list[tuple[_Node, float]]:
+        """The probe's verdict from its estimate, or its split into two halves (returned: their requests)."""
+        probe = node.probe
+        probe.error = est.error
+        probe.step = est.step
+        mults = {self.step_mult[i] for i in node.indexes} if self.step_mult and not node.zero else set()
+        if est.step is not None and len(mults) == 1:
+            probe.step = est.step * mults.pop()  # the step the group's own weights moved by
+        multi = len(node.indexes) > 1
+        if node.zero:
+            probe.scale = 0.0 if est.moves else None
+            if est.moves:
+                return self._split(node, est) if multi else self._set(node, "lost")
+            if est.moves is False:
+                return self._set(node, "unused")
+            probe.reason = est.reason
+            return self._set(node, "inconclusive")
+        if est.ratio is None:
+            probe.reason = est.reason
+            return self._unsure(node)
+        r, err = est.ratio, cast(float, est.error)
+        probe.scale = 1 / r if r != 0 else math.inf
+        ltol = math.log1p(node.tol)
+        if not (r > 0 and math.isfinite(r)):
+            if est.reliable or est.off:
+                probe.reason = f"true / reported {r:.3g}: the reported gradient points the wrong way"
+                return self._split(node, est) if multi else self._set(node, "wrong")
+            probe.reason = est.reason
+            if multi and not node.bounded and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
+                return self._split(node, est)
+            return self._unsure(node)
+        dev = abs(math.log(r))
+        if est.reliable:
+            # exact blame: a group deviating by more than one error bar is bisected; a parameter alone is judged
+            # at three error bars plus the dtype's tolerance
+            if multi:
+                # a deviation within a quarter of the dtype's tolerance is the backward's own rounding (a
+                # correct bf16 GPT deviates by up to 1%), not a parameter hidden by the group
+                band = max(err, ltol / 4)
+                if dev <= band + 1e-9:
+                    self._resolve(node, cast(float, est.step), band)
+                    return self._set(node, "ok")
+                if dev <= ltol + 3 * err:  # what a parameter alone would pass: its weights are bounded by it
+                    self._resolve(node, cast(float, est.step), ltol + 3 * err)
+                    return self._split(node, est, bounded=True)
+                return self._split(node, est)
+            if dev <= ltol + 3 * err:
+                self.resolution[node.indexes[0]] = 1 + ltol + 3 * err
+                return self._set(node, "ok")
+        elif not est.off:  # never a verdict from an estimate that did not check itself
+            probe.reason = est.reason
+            # smaller parts may be linear at a larger step (not needed where a group above bounds them)
+            if multi and not node.bounded and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
+                return self._split(node, est)
+            return self._unsure(node)
+        if multi:
+            return self._split(node, est)
+        scale = 1 / r
+        return self._set(node, "scaled" if 0 < scale <= 64 else "wrong")
+
+    def _resolve(self, node: _Node, step: float, band: float) -> None:
+        """For each parameter of a passing probe of several: the largest factor on its gradient the probe could
+        have passed. A parameter whose reported gradient is f x the true one, carrying a share s of the probe's
+        predicted change, moves the probe's log-ratio by about (f - 1) s; the probe passed within `band`, so
+        |f - 1| <= band / s could hide: 1 + band / s (s estimated on the subsets at the accepted step). None
+        where the share is unknown. A weight carrying 1% of a probe whose band is 2% could be off x3 unseen:
+        the verdict says so instead of a plain ok."""
+        gains: dict[int, float] = {}
+        for i in node.indexes:
+            row = self.weight_gains.get(i)
+            level = -math.log2(step * (self.step_mult[i] if self.step_mult else 1.0)) - 4
+            k = round(level)
+            if row is None or not (0 <= k < len(row)) or abs(level - k) > 1e-6:
+                return
+            gains[i] = abs(row[k])
+        total = sum(gains.values())
+        for i in node.indexes:
+            share = gains[i] / total if total > 0 else 0.0
+            if share > 0:
+                self.resolution[i] = 1 + band / share
+
+    def _unsure(self, node: _Node) -> list[tuple[_Node, float]]:
+        """No estimate of its own that checks itself: `inconclusive`, unless a group above it passed within a
+        single parameter's tolerance, whose bound on each weight (fd_resolution, from its shares) then stands
+        as the verdict: `ok` within that bound (a loose one is listed as weakly checked), not a claim more."""
+        if node.bounded:
+            node.probe.reason = (
+                f"bounded by a group above it ({node.probe.reason})" if node.probe.reason else ""
+            )
+            return self._set(node, "ok")
+        return self._set(node, "inconclusive")
+
+    def _set(self, node: _Node, verdict: str) -> list[tuple[_Node, float]]:
+        node.probe.verdict = verdict
+        return []
+
+    def _split(self, node: _Node, est: Estimate, bounded: bool = False) -> list[tuple[_Node, float]]:
+        """Two halves: a combined probe's groups in two sets (down to one group each), a group's parameters in
+        two halves. The first half is evaluated at the parent's two accepted steps, the second inferred from
+        the parent minus the first (the directional derivative is linear in the direction)."""
+        node.probe.verdict = "split"
+        key, depth, zero = node.probe.key, node.probe.depth + 1, node.zero
+        if len(node.parts) > 1:
+            half = len(node.parts) // 2
+            sets = [node.parts[:half], node.parts[half:]]
+            keys = [
+                p[0][0] if len(p) == 1 else f"{key}[{depth}{ab}] ({len(p)} groups)"
+                for p, ab in zip(sets, "ab", strict=True)
+            ]
+            left = self._node(keys[0], [i for _, idx in sets[0] for i in idx], zero, depth)
+            right = self._node(keys[1], [i for _, idx in sets[1] for i in idx], zero, depth)
+            left.parts, right.parts = sets
+            left.halvings = right.halvings = node.halvings
+        else:
+            half = len(node.indexes) // 2
+            left = self._node(f"{key}[{depth}a]", node.indexes[:half], zero, depth)
+            right = self._node(f"{key}[{depth}b]", node.indexes[half:], zero, depth)
+            left.halvings = right.halvings = node.halvings + 1
+        left.parent = right.parent = node
+        left.bounded = right.bounded = bounded or node.bounded
+        left.sibling, right.sibling = right, left
+        steps = est.pair or (cast(float, est.step) * 2, cast(float, est.step))
+        right.inferred = set(steps)
+        return [(left, steps[0]), (left, steps[1]), (right, steps[0])]
+
+    def _check_visible(self, roots: list[_Node]) -> None:
+        probed = [n for n in roots if not n.zero and n.levels]
+        threshold = Z_MOVE * max(self.noise, 1e-30)
+        self.invisible = bool(probed) and all(
+            all(abs(c) <= threshold and abs(p) > threshold for c, p in n.levels.values()) for n in probed
+        )
+
+    def apply(self) -> None:
+        """Each parameter takes the verdict of the deepest finished probe that holds it."""
+        by_name = {e.name: i for i, e in enumerate(self.check.entries)}
+        kind = self.check.adapter.kind
+        for probe in self.probes:  # created parents first, so the deepest probe is the last to write
+            if probe.verdict in ("split", "not judged"):
+                continue
+            for name in probe.names:
+                r = self.check.results[by_name[name]]
+                r.fd_probe = probe.key if len(probe.names) > 1 else name
+                r.fd_scale = probe.scale
+                r.fd_error = probe.error
+                r.fd_step = probe.step
+                r.unused = probe.verdict == "unused"
+                r.fd_resolution = self.resolution.get(by_name[name]) if probe.verdict == "ok" else None
+                r.inconclusive = probe.verdict == "inconclusive"
+                if r.inconclusive:
+                    r.notes = [f"finite differences: {probe.reason}"]
+        for probe in self.probes:
+            if probe.verdict in ("lost", "scaled", "wrong"):
+                for name in probe.names:
+                    judge.fd_verdict(self.check.results[by_name[name]], probe.verdict, probe.scale, kind)
