@@ -16,6 +16,27 @@ from maingrad.hooks.preflight.result import ParamResult
 
 FIT_TOL = 0.15  # |c_k - expected| below this: the coefficient is what the named pattern says
 
+
+def hidden_factor(band: float, share: float) -> float:
+    """1 + X: what a passing comparison leaves open on one weight, as the symmetric band x(1 - X) .. x(1 + X)
+    of factors f = reported / true gradient it could not tell from 1 (math.inf: no factor above 1 ruled out).
+
+    `band`: the most the true |log(reported / true)| of the whole set can be given the verdict (the accepted
+    deviation plus the estimate's own error bar); `share`: the weight's part of the set's predicted change,
+    which is computed with the reported gradient. Off by f, with the others right, the weight moves the set's
+    ratio to 1 / (1 - share (1 - 1/f)), so the comparison passes f from 1 / (1 + c) up to 1 / (1 - a), where
+    a = (1 - e^-band) / share and c = (e^band - 1) / share; above a = 1 every f > 1 passes. (The linear
+    reading, 1 + band / share, is short by about a factor f: band / share = 0.63 leaves x2.7 open, not
+    x1.63.)"""
+    if not share > 0:
+        return math.inf
+    a = -math.expm1(-band) / share
+    if a >= 1:
+        return math.inf
+    c = math.expm1(band) / share
+    return 1 + max(a / (1 - a), c / (1 + c))
+
+
 # -- wrapper-specific fix lines (anomaly code -> wrapper kind -> text); the generic remedy elsewhere ----------------
 _FIXES: dict[str, dict[str, str]] = {
     "grad_overwritten": {

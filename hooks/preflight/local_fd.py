@@ -31,7 +31,7 @@ LOCAL_EXPLAINED = frozenset(
         "grad_nondeterministic",
     }
 )
-UNSURE = 0.5  # a screened set is judged again where one of its weights could hide a factor of 1.5 or 0.5
+UNSURE = 0.5  # a screened set is judged again where one of its weights could hide a factor of 1.5 (or 0.5)
 BOUND_ENOUGH = 0.25  # a weight the loss-level probe bounds within x1.25 is not screened on its module
 
 
@@ -308,10 +308,10 @@ class LocalFD:
             if screening and verdict.verdict == "unknown":
                 loose = list(members)
             elif screening and verdict.verdict == "ok" and len(members) > 1:
-                # the set passed: a weight with a share s is bounded within 1 + band / s; only those bounded
-                # more loosely than x(1 + UNSURE) are judged again (the others keep the set's verdict)
-                band = floor + (verdict.error or 0.0)
-                loose = [i for i in members if shares[i] <= 0 or band / shares[i] >= UNSURE]
+                # the set passed: a weight with a share s is bounded by judge.hidden_factor; only those that
+                # could hide x(1 + UNSURE) are judged again (the others keep the set's verdict)
+                band = floor + 2 * (verdict.error or 0.0)
+                loose = [i for i in members if judge.hidden_factor(band, shares[i]) - 1 >= UNSURE]
             self.unsure.extend(loose)
             if verdict.verdict == "unknown":
                 if not screening:
@@ -337,10 +337,11 @@ class LocalFD:
             r.fd_local = v.ratio if v.verdict != "moves" else 0.0
             r.fd_local_error = v.error
             if v.verdict == "ok":
-                band = self.floor(v.indexes) + (v.error or 0.0)
+                # the set's true log-ratio: within the accepted band and the estimate's own error bar
+                band = self.floor(v.indexes) + 2 * (v.error or 0.0)
                 share = self.share.get(i, 0.0) if len(v.indexes) > 1 else 1.0
                 if share > 0:
-                    bound = 1 + band / share
+                    bound = judge.hidden_factor(band, share)
                     r.fd_resolution = bound if r.fd_resolution is None else min(r.fd_resolution, bound)
                 if r.fd_probe is None or r.inconclusive:
                     r.fd_probe, r.fd_scale, r.fd_error = where, v.ratio, v.error

@@ -24,6 +24,7 @@ from maingrad.hooks.preflight.measure import (
     ZERO_STEP0,
     Estimate,
     chunks,
+    contradicted,
     copies,
     foreach_copy_,
     judge_levels,
@@ -479,10 +480,10 @@ class LossFD:
         probe.scale = 1 / r if r != 0 else math.inf
         ltol = math.log1p(node.tol)
         if not (r > 0 and math.isfinite(r)):
-            if est.reliable or est.off:
+            if (est.reliable or est.off) and (multi or not self._contradicted(node, est)):
                 probe.reason = f"true / reported {r:.3g}: the reported gradient points the wrong way"
                 return self._split(node, est) if multi else self._set(node, "wrong")
-            probe.reason = est.reason
+            probe.reason = probe.reason if est.reliable else est.reason  # (reliable: why it was contradicted)
             if multi and not node.bounded and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
                 return self._split(node, est)
             return self._unsure(node)
@@ -495,14 +496,14 @@ class LossFD:
                 # correct bf16 GPT deviates by up to 1%), not a parameter hidden by the group
                 band = max(err, ltol / 4)
                 if dev <= band + 1e-9:
-                    self._resolve(node, cast(float, est.step), band)
+                    self._resolve(node, cast(float, est.step), band + err)
                     return self._set(node, "ok")
                 if dev <= ltol + 3 * err:  # what a parameter alone would pass: its weights are bounded by it
-                    self._resolve(node, cast(float, est.step), ltol + 3 * err)
+                    self._resolve(node, cast(float, est.step), ltol + 4 * err)
                     return self._split(node, est, bounded=True)
                 return self._split(node, est)
             if dev <= ltol + 3 * err:
-                self.resolution[node.indexes[0]] = 1 + ltol + 3 * err
+                self.resolution[node.indexes[0]] = judge.hidden_factor(ltol + 4 * err, 1.0)
                 return self._set(node, "ok")
         elif not est.off:  # never a verdict from an estimate that did not check itself
             probe.reason = est.reason
@@ -512,16 +513,26 @@ class LossFD:
             return self._unsure(node)
         if multi:
             return self._split(node, est)
+        if self._contradicted(node, est):  # a blame needs every smaller step to agree
+            return self._unsure(node)
         scale = 1 / r
         return self._set(node, "scaled" if 0 < scale <= 64 else "wrong")
 
+    def _contradicted(self, node: _Node, est: Estimate) -> bool:
+        """Whether a smaller step contradicts the estimate a parameter would be blamed on (`contradicted`);
+        the reason goes to the probe."""
+        levels = [(s, c, p) for s, (c, p) in node.levels.items()]
+        why = contradicted(levels, est, node.probe.noise or 0.0, self._floor())
+        if why is not None:
+            node.probe.reason = why
+        return why is not None
+
     def _resolve(self, node: _Node, step: float, band: float) -> None:
-        """For each parameter of a passing probe of several: the largest factor on its gradient the probe could
-        have passed. A parameter whose reported gradient is f x the true one, carrying a share s of the probe's
-        predicted change, moves the probe's log-ratio by about (f - 1) s; the probe passed within `band`, so
-        |f - 1| <= band / s could hide: 1 + band / s (s estimated on the subsets at the accepted step). None
-        where the share is unknown. A weight carrying 1% of a probe whose band is 2% could be off x3 unseen:
-        the verdict says so instead of a plain ok."""
+        """For each parameter of a passing probe of several: the factors on its gradient the probe could have
+        passed (`judge.hidden_factor`: `band` bounds the probe's true log-ratio, the weight's share s of its
+        predicted change is estimated on the subsets at the accepted step). None where the share is unknown.
+        A weight carrying 1% of a probe whose band is 2% could be off x3 unseen: the verdict says so instead
+        of a plain ok."""
         gains: dict[int, float] = {}
         for i in node.indexes:
             row = self.weight_gains.get(i)
@@ -534,7 +545,7 @@ class LossFD:
         for i in node.indexes:
             share = gains[i] / total if total > 0 else 0.0
             if share > 0:
-                self.resolution[i] = 1 + band / share
+                self.resolution[i] = judge.hidden_factor(band, share)
 
     def _unsure(self, node: _Node) -> list[tuple[_Node, float]]:
         """No estimate of its own that checks itself: `inconclusive`, unless a group above it passed within a

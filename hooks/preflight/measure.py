@@ -389,6 +389,30 @@ def _fmt_step(s: float) -> str:
     return f"2^{math.log2(s):.0f}"
 
 
+def contradicted(
+    levels: Sequence[tuple[float, float, float]], est: Estimate, noise: float, floor: float = 0.0
+) -> str | None:
+    """Why a reliable estimate is no ground to blame a parameter: a level at a step below its pair, where
+    truncation is smaller, whose loss change differs from the estimate's ratio x its predicted change by more
+    than the loss's noise (3 x, at least `floor`) and the estimate's own error bar allow. Then the noise this
+    probe sees is larger than measured (a bf16 forward's rounding of activations the move passes through),
+    and two steps agreeing above it is no proof. None where every smaller step agrees."""
+    if est.ratio is None or est.pair is None or not est.reliable:
+        return None
+    r, small, bar = est.ratio, min(est.pair), max(noise, floor)
+    for s, c, p in sorted(levels, reverse=True):
+        if s >= small or p == 0.0 or not (math.isfinite(c) and math.isfinite(p)):
+            continue
+        allowed = 3 * bar + (est.error or 0.0) * abs(r * p)
+        if abs(c - r * p) > allowed:
+            return (
+                f"two steps agree on true / reported {r:.4g}, but at the smaller step {_fmt_step(s)} the loss "
+                f"changed by {c:.3g} where that predicts {r * p:.3g} (noise {noise:.3g}): the noise along "
+                "this direction is larger than measured"
+            )
+    return None
+
+
 def judge_levels(
     levels: Sequence[tuple[float, float, float]], noise: float, zero: bool, floor: float = 0.0
 ) -> Estimate:

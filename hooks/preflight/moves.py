@@ -115,12 +115,13 @@ class Moves:
 
     def random(self, step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """Zero reported gradient: along the weights themselves (radial: no dilution by sqrt(numel)) plus a
-        random +-1 part (a scale-invariant weight moves the loss only off the radial direction)."""
+        random +-1 part (a scale-invariant weight moves the loss only off the radial direction), of the size
+        `size` gives (a weight that is all zeros, a bias initialised to 0, still moves)."""
 
         def delta(i: int, t: torch.Tensor) -> torch.Tensor:
             gen = torch.Generator(device=t.device).manual_seed(1009 + i)
             d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
-            d = d * (self.tnorm[i] / math.sqrt(max(t.numel(), 1)) / 2) + t.float()
+            d = d * (self.size(i, t) / math.sqrt(max(t.numel(), 1)) / 2) + t.float()
             return d * (step * self.size(i, t) / torch.linalg.vector_norm(d).clamp_min(1e-30))
 
         return delta
