@@ -47,7 +47,9 @@ from typing import Any, cast
 
 import torch
 
-# class names (on the module's class or a base) of modules linear in each parameter, from these packages
+# class names (on the module's class or a base) of modules whose output is affine in their parameters taken
+# together, or a product of two such parts (a layer norm's weight times a linear weight), from these packages
+# (not BatchNorm: a rerun would update its running statistics; not EmbeddingBag: its "max" mode selects)
 PROBED = frozenset(
     {
         "Linear",
@@ -56,6 +58,15 @@ PROBED = frozenset(
         "Embedding",
         "LayerNorm",
         "RMSNorm",
+        "GroupNorm",
+        "Bilinear",
+        "PReLU",
+        "Conv1d",
+        "Conv2d",
+        "Conv3d",
+        "ConvTranspose1d",
+        "ConvTranspose2d",
+        "ConvTranspose3d",
         "ColumnParallelLinear",
         "RowParallelLinear",
         "VocabParallelEmbedding",
@@ -65,6 +76,11 @@ ORIGINS = ("torch.nn.", "transformer_engine.", "megatron.")
 EPS_BIG = 2.0**6  # a weight's largest step relative to its norm (of a bias at zero: its floored norm)
 EPS_FLOOR = 2.0**-7  # the smallest: a bf16 weight moved by less rounds back to itself almost everywhere
 SIGMAS = 4.0  # an error bar is this many standard deviations of the output rounding
+# per level of a reduction's tree, on the sum of its terms' magnitudes: <dy, y+ - y-> is summed in fp32, and so
+# is the reported gradient over the same per-element terms (a bias: the sum of dy over the tokens), on both
+# sides of the comparison. Where those terms cancel (a bias a normalisation after it removes), both sides
+# are that rounding and their ratio says nothing
+SUM_ROUNDING = 2 * 2.0**-24
 CHUNK = 1 << 24  # elements of dy and y+- reduced at a time (bounds the fp32 scratch of a vocabulary's logits)
 EACH_MAX = 8  # zero-gradient weights of one module probed one by one up to this many, else together
 
@@ -135,6 +151,9 @@ class Sums:
 
     measured: list[torch.Tensor] = field(default_factory=list)  # <dy, y(+h) - y(-h)> per call
     variance: list[torch.Tensor] = field(default_factory=list)  # of the output rounding in it
+    # the rounding of the sum itself (and of the reported gradient's, over the same terms): SUM_ROUNDING x
+    # log2(terms) x sum |dy (y+ - y-)| per call
+    summing: list[torch.Tensor] = field(default_factory=list)
     # 2: central differences; 1: forward differences against the forward's own output (`one_sided`)
     sides: set[int] = field(default_factory=set)
 
@@ -379,10 +398,11 @@ class LocalProbe:
             key = tuple(sorted(i for i, _ in members))
             held = call.held
             base = held[0] if held is not None and len(members) == 1 and held[0]._version == held[1] else None
-            value, var = self._rerun(call, members, dy, base)
+            value, var, summing = self._rerun(call, members, dy, base)
             sums = self.sums.setdefault(key, Sums())
             sums.measured.append(value)
             sums.variance.append(var)
+            sums.summing.append(summing)
             sums.sides.add(1 if base is not None else 2)
 
     def _rerun(
@@ -391,10 +411,11 @@ class LocalProbe:
         members: list[tuple[int, torch.Tensor]],
         dy: torch.Tensor,
         base: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """<dy, y(w + h d) - y(w - h d)>, or <dy, y(w + h d) - base> where `base` is the forward's own output,
-        and the variance of its output rounding; the weights restored bit for bit (through .data: their version
-        counters, which autograd checks, do not move)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """<dy, y(w + h d) - y(w - h d)>, or <dy, y(w + h d) - base> where `base` is the forward's own output;
+        the variance of its output rounding; and the bound on the rounding of that sum and of the reported
+        gradient's own reduction over the same terms (`SUM_ROUNDING`). The weights restored bit for bit
+        (through .data: their version counters, which autograd checks, do not move)."""
         starts = [t.data.clone() for _, t in members]
         directions = [self.plan[i].along(t) for i, t in members]  # a random one drawn once for both signs
         outs: list[torch.Tensor] = []
@@ -421,23 +442,27 @@ class LocalProbe:
         p, m = plus.reshape(-1), minus.reshape(-1)
         value: torch.Tensor | None = None
         var: torch.Tensor | None = None
+        spread: torch.Tensor | None = None
         for a in range(0, g.numel(), CHUNK):
             # in fp32: y+ - y- is exact there for a half-precision output, and the dot's rounding is 2^-24
             gg = g[a : a + CHUNK].float()
             pp, mm = p[a : a + CHUNK], m[a : a + CHUNK]
             diff = pp.to(torch.float32, copy=True).sub_(mm)
             part = torch.dot(gg, diff)
+            part_spread = torch.dot(gg.abs(), diff.abs_())  # sum |dy (y+ - y-)|
             del diff
             gp, gm = gg * pp, gg * mm  # fp32 products: the error bar's sum of dy^2 y^2
             part_var = torch.dot(gp, gp) + torch.dot(gm, gm)
             del gp, gm
             value = part if value is None else value + part
             var = part_var if var is None else var + part_var
-        if value is None or var is None:
+            spread = part_spread if spread is None else spread + part_spread
+        if value is None or var is None or spread is None:
             zero = torch.zeros((), device=g.device, dtype=torch.float64)
-            return zero, zero
+            return zero, zero, zero
         value, var = value.double(), var.double()
-        return value, var * (u * u / 3)
+        summing = spread.double() * (SUM_ROUNDING * math.log2(max(g.numel(), 2)))
+        return value, var * (u * u / 3), summing
 
     # -- installing --------------------------------------------------------------------------------------------
     @contextmanager
@@ -499,23 +524,35 @@ class LocalVerdict:
     sigma: float
     ratio: float | None
     error: float | None
-    verdict: str  # ok | deviates | lost | wrong | scaled | unused | moves | unknown
+    verdict: (
+        str  # ok | deviates | lost | wrong | scaled | unused | moves | unknown (unused: no effect either way)
+    )
 
 
 def judge(
-    indexes: tuple[int, ...], predicted: float, measured: float, variance: float, floor: float, zero: bool
+    indexes: tuple[int, ...],
+    predicted: float,
+    measured: float,
+    variance: float,
+    floor: float,
+    zero: bool,
+    summing: float = 0.0,
 ) -> LocalVerdict:
-    """`floor`: the relative deviation a correct gradient may show beyond the rounding error bar. `zero`: the
-    reported gradient is zero (the move was random): the output must not move."""
-    if not all(math.isfinite(x) for x in (predicted, measured, variance)):  # an output overflowed
+    """`floor`: the relative deviation a correct gradient may show beyond the rounding error bar (of the
+    output: SIGMAS standard deviations from `variance`; of the sums: `summing`). `zero`: the reported
+    gradient is zero (the move was random): the output must not move."""
+    if not all(math.isfinite(x) for x in (predicted, measured, variance, summing)):  # an output overflowed
         return LocalVerdict(indexes, predicted, measured, math.nan, None, None, "unknown")
     sigma = math.sqrt(max(variance, 0.0))
-    bar = SIGMAS * sigma
+    bar = SIGMAS * sigma + summing
     if zero:
         verdict = "moves" if abs(measured) > bar and measured != 0.0 else "unused"
         return LocalVerdict(indexes, predicted, measured, sigma, None, None, verdict)
     if abs(measured) <= bar or measured == 0.0:
-        return LocalVerdict(indexes, predicted, measured, sigma, None, None, "unknown")
+        # the output's change is rounding; so is the reported gradient's prediction of it (a bias that a
+        # normalisation after it removes): no effect to measure, and the gradient says none
+        verdict = "unused" if abs(predicted) <= bar else "unknown"
+        return LocalVerdict(indexes, predicted, measured, sigma, None, None, verdict)
     ratio = predicted / measured
     error = bar / abs(measured)
     band = floor + error

@@ -275,6 +275,7 @@ class LocalFD:
             starts.append(len(values))
             values.append(torch.stack([v for key in keys for v in probe.sums[key].measured]).sum())
             values.append(torch.stack([v for key in keys for v in probe.sums[key].variance]).sum())
+            values.append(torch.stack([v for key in keys for v in probe.sums[key].summing]).sum())
             sides = {n for key in keys for n in probe.sums[key].sides}
             for i in members:
                 g = reported[i]
@@ -289,11 +290,11 @@ class LocalFD:
         host = stack_to_host(values)
         self.check.syncs += 1
         for (members, _), at in zip(sets, starts, strict=True):
-            measured, variance = host[at], host[at + 1]
+            measured, variance, summing = host[at], host[at + 1], host[at + 2]
             p = {i: host[preds[i]] for i in members if i in preds}
             zero = all(probe.plan[i].direction is None for i in members)
             floor = self.floor(members)
-            verdict = local.judge(members, sum(p.values()), measured, variance, floor, zero)
+            verdict = local.judge(members, sum(p.values()), measured, variance, floor, zero, summing)
             if verdict.verdict == "deviates":
                 if screening:
                     self.suspects.extend(members)

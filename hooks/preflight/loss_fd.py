@@ -26,6 +26,8 @@ from maingrad.hooks.preflight.measure import (
     chunks,
     contradicted,
     copies,
+    finer,
+    finest,
     foreach_copy_,
     judge_levels,
     unit_roundoff,
@@ -456,8 +458,10 @@ class LossFD:
         values = torch.cat([c, p]).cpu().tolist()
         return values[: len(cs)], values[len(cs) :]
 
-    def _finish(self, node: _Node, est: Estimate) -> list[tuple[_Node, float]]:
-        """The probe's verdict from its estimate, or its split into two halves (returned: their requests)."""
+    def _finish(self, node: _Node, est: Estimate, confirmed: bool = False) -> list[tuple[_Node, float]]:
+        """The probe's verdict from its estimate, or its split into two halves (returned: their requests).
+        A parameter alone is blamed only on the estimate nearest the point (`finest`), once no smaller step
+        can be measured (`finer`); `confirmed`: that estimate."""
         probe = node.probe
         probe.error = est.error
         probe.step = est.step
@@ -513,6 +517,14 @@ class LossFD:
             return self._unsure(node)
         if multi:
             return self._split(node, est)
+        if est.reliable and not confirmed:  # a blame: confirmed at the smallest steps the noise allows
+            levels = [(s, c, p) for s, (c, p) in node.levels.items()]
+            noise = node.probe.noise or 0.0
+            smaller = finer(levels, noise, self._floor())
+            if smaller is not None:
+                return [(node, smaller)]
+            fine = finest(levels, noise, self._floor())
+            return self._finish(node, fine if fine is not None else est, confirmed=True)
         if self._contradicted(node, est):  # a blame needs every smaller step to agree
             return self._unsure(node)
         scale = 1 / r

@@ -362,6 +362,7 @@ STEP_MAX = 2.0**-4
 ZERO_STEP0 = 2.0**-4  # first relative step along a random direction where the reported gradient is zero
 ZERO_STEP_MAX = 2.0**-2
 MAX_LEVELS = 7  # steps per probe at most
+CONFIRM_LEVELS = 12  # with the steps that confirm a blame at smaller steps (`finer`)
 E_MAX = 0.05  # a relative error bar at most this is a reliable estimate
 OFF = 0.2  # "consistently off": every step's ratio beyond 1 +- OFF (after its noise), on the same side
 OFF_SPREAD = 4.0  # "consistently off": the ratios at every step within this factor of each other
@@ -387,6 +388,36 @@ class Estimate:
 
 def _fmt_step(s: float) -> str:
     return f"2^{math.log2(s):.0f}"
+
+
+def finest(levels: Sequence[tuple[float, float, float]], noise: float, floor: float = 0.0) -> Estimate | None:
+    """The estimate of the two adjacent steps nearest the point that agree within E_MAX (the error bar as in
+    `judge_levels`), or None. A blame rests on it, not on the pair with the smallest bar: a kink of the loss
+    (a ReLU whose input is near 0) makes every pair of steps larger than its distance agree on an average
+    slope; below it the central difference is the derivative again."""
+    valid = [
+        (s, c / p, p) for s, c, p in sorted(levels) if p != 0.0 and math.isfinite(c) and math.isfinite(p)
+    ]
+    for (sb, rb, pb), (sa, ra, pa) in zip(valid, valid[1:], strict=False):  # smallest steps first
+        error = (abs(ra - rb) + max(noise, floor) / abs(pa) + max(noise, floor) / abs(pb)) / max(
+            abs(rb), 1e-30
+        )
+        if error <= E_MAX and sa <= 2 * sb:
+            return Estimate(ratio=rb, error=error, step=sb, pair=(sa, sb), reliable=True)
+    return None
+
+
+def finer(levels: Sequence[tuple[float, float, float]], noise: float, floor: float = 0.0) -> float | None:
+    """The next smaller step that could confirm a blame: half the smallest so far, where the loss's noise would
+    still be at most E_MAX / 4 of the predicted change (extrapolated from that step), not below STEP_MIN, and
+    at most CONFIRM_LEVELS steps in all. None where no smaller step can be measured."""
+    usable = sorted((s, p) for s, c, p in levels if p != 0.0 and math.isfinite(c) and math.isfinite(p))
+    if not usable or len(levels) >= CONFIRM_LEVELS:
+        return None
+    step, predicted = usable[0]
+    if step / 2 < STEP_MIN or max(noise, floor) > (E_MAX / 4) * abs(predicted) / 2:
+        return None
+    return step / 2
 
 
 def contradicted(

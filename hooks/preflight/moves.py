@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from maingrad.hooks.preflight.check import Check
 
 CANDIDATE_STEPS = [2.0**-k for k in range(4, 21)]  # where the first pair is chosen (largest first)
+ZERO_FLOOR = 2.0**-3  # a zero-gradient weight's move per element at step 1, at least (`Moves.random`)
 
 
 class Moves:
@@ -115,14 +116,17 @@ class Moves:
 
     def random(self, step: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """Zero reported gradient: along the weights themselves (radial: no dilution by sqrt(numel)) plus a
-        random +-1 part (a scale-invariant weight moves the loss only off the radial direction), of the size
-        `size` gives (a weight that is all zeros, a bias initialised to 0, still moves)."""
+        random +-1 part (a scale-invariant weight moves the loss only off the radial direction). A weight near
+        zero (a bias initialised to 0) has no norm to scale by: it moves by at least ZERO_FLOOR per element
+        at step 1, so that at the largest step (2^-2) its move passes through a bf16 forward's rounding of
+        activations of order 1 (2^-7 per element there read `unused` for a BatchNorm bias that mattered)."""
 
         def delta(i: int, t: torch.Tensor) -> torch.Tensor:
+            size = max(self.tnorm[i], math.sqrt(t.numel()) * ZERO_FLOOR)
             gen = torch.Generator(device=t.device).manual_seed(1009 + i)
             d = torch.randint(0, 2, t.shape, generator=gen, device=t.device).float() * 2 - 1
-            d = d * (self.size(i, t) / math.sqrt(max(t.numel(), 1)) / 2) + t.float()
-            return d * (step * self.size(i, t) / torch.linalg.vector_norm(d).clamp_min(1e-30))
+            d = d * (size / math.sqrt(max(t.numel(), 1)) / 2) + t.float()
+            return d * (step * size / torch.linalg.vector_norm(d).clamp_min(1e-30))
 
         return delta
 

@@ -1,23 +1,26 @@
 """A second CPU population for maingrad.hooks.preflight, written after `preflight_zoo.py` and never tuned to:
-25 architectures its author had not run preflight on (torch's own TransformerEncoder and MultiheadAttention,
+27 architectures its author had not run preflight on (torch's own TransformerEncoder and MultiheadAttention,
 LSTM, GRU, BatchNorm, GQA with rotary embeddings and RMSNorm, a layer used three times, frozen weights and a
 learned temperature, Bilinear, PReLU, depthwise and transposed convolutions, top-2 MoE with capacity
 dropping, weight norm, mixed bf16/fp32, padding and bag embeddings, ConvNeXt layer scale, a pre-norm ViT, T5
 relative position bias, WaveNet gating, a linear recurrence, soft-capped tied logits, GroupNorm, MLP-Mixer,
-highway gates, einsum weights with a LoRA adapter), fp32 and bf16, each correct and with bugs on a parameter
+highway gates, einsum weights with a LoRA adapter, Linear + BatchNorm1d), fp32 and bf16, each correct and with bugs on a parameter
 drawn at random from those with a gradient.
 
 Batch "A" (the first 13) found two defects of the finite differences, since fixed: a zero-initialised bias
 (MultiheadAttention's `in_proj_bias`) whose gradient was zeroed read `unused` (its random-direction probe did
 not move), and a weight's `fd_resolution` read x1.63 where its probe could pass x2.7. Batch "B" (the other
 12, other seeds and bug kinds) found one false blame in bf16 (a single weight's two largest steps agreed on
-x0.83 while smaller steps showed noise ten times the measured one). `test_preflight_wild.py` holds every case
+x0.83 while smaller steps showed noise ten times the measured one). Batch "C" (Linear + BatchNorm1d, 10
+seeds) shows the false alarm a normalisation that removes a bias caused in the module-local comparison before
+its error bar counted the sums' own rounding (3 of 10 seeds). `test_preflight_wild.py` holds every case
 to: a correct model passes; a bug is named on its parameter and nowhere else, or its miss is visible (the
 parameter is inconclusive, or its `fd_resolution` admits the factor).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Callable
@@ -393,6 +396,16 @@ class LoRA(nn.Module):
         return torch.tanh(h) @ self.w2.T
 
 
+# -- batch C ------------------------------------------------------------------------------------------------------
+def mlp_batchnorm() -> nn.Module:
+    """Linear layers each followed by BatchNorm1d in training mode: the normalisation removes each bias's
+    effect (its true gradient is 0; the computed one is rounding)."""
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(),
+        nn.Linear(32, 12),
+    )  # fmt: skip
+
+
 # -- batches and losses -------------------------------------------------------------------------------------------
 def tokens(n: int, seed: int) -> list[Batch]:
     gen = torch.Generator().manual_seed(seed)
@@ -475,10 +488,12 @@ CASES: dict[str, WildCase] = {
         WildCase("mixer-bf16", lambda: Mixer().bfloat16(), mse, rows_bf16, "B"),
         WildCase("highway-shared", Highway, mse, rows, "B"),
         WildCase("lora-einsum", LoRA, mse, rows, "B"),
+        WildCase("mlp-batchnorm", mlp_batchnorm, mse, rows, "C"),
+        WildCase("mlp-batchnorm-bf16", lambda: mlp_batchnorm().bfloat16(), mse, rows_bf16, "C"),
     ]
 }
 
-SEEDS = {"A": (0, 1, 2), "B": (3, 4, 5)}
+SEEDS = {"A": (0, 1, 2), "B": (3, 4, 5), "C": tuple(range(6, 16))}
 
 
 def _zeroed(model: nn.Module, name: str) -> None:
@@ -500,15 +515,23 @@ BUGS: dict[str, tuple[Callable[[nn.Module, str], None], str | None, float | None
 BUGS_OF = {
     "A": ("x2", "x0.5", "x1.3", "zeroed"),
     "B": ("x2", "x0.5", "sign", "overwrite", "every-second-halved", "later-doubled", "third-lost"),
+    "C": ("x2", "x0.5", "zeroed", "overwrite", "every-second-halved"),
 }
 
 
 def target(case: WildCase, model: nn.Module, seed: int) -> str:
-    """A parameter drawn (seeded) from those with a gradient on one micro-batch."""
-    model.zero_grad()
-    case.loss(model, case.batches(1, 100 + seed)[0]).backward()
-    live = [n for n, p in model.named_parameters() if p.grad is not None and bool(p.grad.abs().sum() > 0)]
-    model.zero_grad(set_to_none=True)
+    """A parameter drawn (seeded) from those with a gradient on one micro-batch, in float64: a bias that a
+    normalisation removes has a gradient of rounding in the model's own dtype, and no bug to inject."""
+    x, y = case.batches(1, 100 + seed)[0]
+    exact = copy.deepcopy(model).double()
+    try:
+        case.loss(exact, (x.double() if x.is_floating_point() else x, y.double())).backward()
+    except RuntimeError:  # a forward that casts to its own dtype (the mixed bf16/fp32 one): as it is
+        exact = copy.deepcopy(model)
+        case.loss(exact, (x, y)).backward()
+    norms = {n: float(p.grad.norm()) for n, p in exact.named_parameters() if p.grad is not None}
+    largest = max(norms.values())
+    live = [n for n, g in norms.items() if g > 1e-9 * largest]
     return random.Random(seed).choice(live)
 
 

@@ -395,9 +395,12 @@ def test_host_syncs_and_cost() -> None:
     assert passing.cost["fd_rounds"] == 2 and passing.cost["bisection_depth"] == 0
     failing = check(fsdp("basic", "optim_grads_params"))
     # + the repeat of the first micro-batch (one pass, one sync); the x2 is a group of its own: the combined
-    # probe deviates and splits into the two groups (one evaluated, one inferred as the rest): one more round
-    assert failing.cost["host_syncs"] == 7 and failing.cost["microbatch_passes"] == 7
-    assert failing.cost["forward_passes"] == 2 + 4 + 4 and failing.cost["bisection_depth"] == 1
+    # probe deviates and splits into the two groups (one evaluated, one inferred as the rest): one more round;
+    # the blame is confirmed at two smaller steps, down to where the noise would reach E_MAX / 4: two rounds
+    assert failing.cost["host_syncs"] == 9 and failing.cost["microbatch_passes"] == 7
+    assert failing.cost["forward_passes"] == 2 + 4 + 4 + 4 and failing.cost["bisection_depth"] == 1
+    blamed = next(g for g in failing.groups if g.verdict == "scaled")
+    assert len(blamed.levels) == 4 and blamed.step == min(s for s, _, _ in blamed.levels)
     assert set(failing.cost["seconds_by_part"]) == {"runs", "finite_differences", "comparison"}
 
 
@@ -428,9 +431,9 @@ def test_weights_that_cannot_be_flattened_move_in_their_own_shape() -> None:
 def test_without_loss_fn_the_microbatch_gives_the_loss() -> None:
     result = preflight(fsdp("basic", "optim_grads_params"), mse_microbatch, dense_batches(3))
     assert verdicts(result) == {"mid.weight": ["grad_overwritten", "grad_scaled"]}
-    # every loss evaluation is a run_microbatch call (a backward more each)
-    assert result.cost["forward_passes"] == 0 and result.cost["loss_evaluations"] == 10
-    assert result.cost["microbatch_passes"] == 7 + 10
+    # every loss evaluation is a run_microbatch call (a backward more each); as in test_host_syncs_and_cost
+    assert result.cost["forward_passes"] == 0 and result.cost["loss_evaluations"] == 14
+    assert result.cost["microbatch_passes"] == 7 + 14
 
 
 def test_fd_groups_param_and_params_filter() -> None:
