@@ -36,7 +36,14 @@ from maingrad.hooks.preflight.measure import (
     unit_roundoff,
 )
 from maingrad.hooks.preflight.result import ParamResult
-from maingrad.hooks.preflight.state import RngPair, RngState, StepStart, fp8_state_pairs, fp8_tensors
+from maingrad.hooks.preflight.state import (
+    BufferState,
+    RngPair,
+    RngState,
+    StepStart,
+    fp8_state_pairs,
+    fp8_tensors,
+)
 from maingrad.hooks.preflight.wrappers import Adapter, Entry
 
 # the fit-by-position verdicts whose residual can rule out run-to-run noise (0/1 patterns: a random scale per
@@ -111,6 +118,12 @@ class Check:
         self.rng = RngState([*fp8_state_pairs(model, fp8), *rng_states])
         self.fp8_known = {id(t) for t in fp8}
         self.step_start = StepStart(model)
+        # the module buffers as the caller left them: every run and every loss evaluation starts from them, as
+        # a training step starts from the last one's (without it, a forward that updates a buffer it computes
+        # with - spectral norm's power iteration - starts each run where the last one left off); within a run
+        # they move as in training. The buffers a run wrote: `stateful`
+        self.buffers = BufferState(model)
+        self.stateful: set[str] = set()
         self.owners = {id(p): m for m in model.modules() for p in m._parameters.values() if p is not None}
         self.fp8_entries: set[int] = set()  # parameters whose module computed in FP8 (known after a run)
         self.synced = False  # prepare() or commit() ran after the last change of the weights
@@ -240,6 +253,7 @@ class Check:
             self.stats.add("stale2", stale, norms(some(left, stale)) ** 2)
             self.stats.add("stale_n", stale, torch.ones(len(stale)), shard_sum=False)
         del left
+        self.buffers.restore(aliased=False)
         self.step_start.begin()
         with probe.watching() if probe is not None else contextlib.nullcontext():
             for b in which:
@@ -249,6 +263,7 @@ class Check:
                 if key == "s0" and self.loss_fn is None:
                     self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         self.adapter.finish()
+        self.stateful.update(self.buffers.moved())
         flats = self._grads()
         present = [i for i, f in enumerate(flats) if f is not None]
         self.present[key] = set(present)
@@ -373,6 +388,7 @@ class Check:
 
     # -- loss evaluations (the finite differences': `loss_fd.py`) ---------------------------------------------
     def loss(self, batch: Any) -> torch.Tensor:
+        self.buffers.restore(aliased=False)
         self.step_start.begin()  # the weights moved: a new step's FP8 cast
         if self.loss_fn is not None:
             self.rng.apply()

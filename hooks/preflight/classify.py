@@ -81,6 +81,7 @@ def classify(check: Check) -> dict[str, Any]:
         return None if column is None else column[i]
 
     singles = [f"s{k}" for k in range(n)]
+    drifted: list[int] = []  # inconclusive: the sequence differs by the buffers' drift alone
     for i, (e, r) in enumerate(zip(check.entries, check.results, strict=True)):
         r.dtype = r.dtype or str(e.opt_param.dtype)
         r.shape = list(e.opt_param.shape)
@@ -128,7 +129,11 @@ def classify(check: Check) -> dict[str, Any]:
                     by_position = [coeffs[0]]
                 expected = [2.0] if n == 1 else [1.0] * n
                 alone = not r.anomalies
-                judge.accumulation_verdict(r, by_position, expected, math.sqrt(seq2), den, tol, kind)
+                judge.accumulation_verdict(
+                    r, by_position, expected, math.sqrt(seq2), den, tol, kind, sorted(check.stateful)
+                )
+                if r.inconclusive and not r.anomalies:  # the buffers' drift (a module-local ok keeps it)
+                    drifted.append(i)
                 if alone:  # the fit's coefficients by micro-batch (zero where the verdict found G(seq) zero)
                     by_batch = list(coeffs) if r.fit is not None and coeffs is not None else [0.0] * n
                     check.fits[i] = (by_batch, sum(gram[k][k] for k in range(n)))
@@ -139,6 +144,8 @@ def classify(check: Check) -> dict[str, Any]:
         if r.anomalies:
             r.inconclusive = False
     check.local_fd.apply()  # after the accumulation verdicts: a pattern they name explains a local deviation
+    for i in drifted:
+        check.results[i].inconclusive = not check.results[i].anomalies
     return {
         "linearity": (
             "8 x unit round-off of the least precise of gradient, compute and parameter dtypes (at least 4e-6)"

@@ -217,10 +217,13 @@ def accumulation_verdict(
     den: float,
     tol: float,
     kind: str,
+    stateful: Sequence[str] = (),
 ) -> None:
     """The verdict where G(sequence) differs from the sum of the singles. `coeffs`: the fit by position in the
     sequence (None when the singles are parallel on the subset); `expected`: what each coefficient should be
-    (1 each; 2 for the one micro-batch run twice)."""
+    (1 each; 2 for the one micro-batch run twice); `stateful`: buffers the runs wrote. Where no coefficient is
+    off and the forward writes buffers, the difference can be their drift between the sequence's micro-batches
+    (each single starts from the caller's buffers): `inconclusive`, not a pattern of the gradient path."""
     if seq_norm <= tol * den:
         r.anomalies.append("grad_lost")
         r.notes.append("G(sequence) is zero: the micro-batches' gradients never reached the optimizer")
@@ -258,6 +261,14 @@ def accumulation_verdict(
         )
     else:
         bad = [k + 1 for k in range(n) if not near[k]]
+        if not bad and stateful:
+            r.inconclusive = True
+            r.notes.append(
+                f"G(sequence) differs from the sum of the singles with every coefficient near 1 (c = {text}): "
+                f"the forward writes buffers ({', '.join(list(stateful)[:3])}) that the sequence's later "
+                "micro-batches compute with, as in training, while each single starts from the caller's"
+            )
+            return
         r.anomalies.append("grad_inconsistent")
         r.notes.append(
             f"G(sequence) = sum of c_k x the k-th micro-batch's gradient with c = {text} by position "

@@ -11,7 +11,8 @@ least 3 distinct ones are needed to rule out periodic errors, fewer are run and 
 must already be wrapped (Megatron-FSDP, Megatron DDP, torch FSDP2, or none); the gradients judged are the
 ones the optimizer would read after the wrapper's grad sync (`wrappers.py`).
 
-Runs (`check.py`; each from zeroed buffers, every micro-batch from the caller's random state):
+Runs (`check.py`; each from zeroed gradient buffers and the caller's module buffers, every micro-batch from the
+caller's random state):
 1. every micro-batch alone, in order ("singles" g_1 .. g_N): N backward passes;
 2. all of them accumulated in an order rotated by one against the singles (2, 3, .., N, 1): N passes. The
    rotation puts every micro-batch at a different position and global backward count than in its single, so
@@ -62,7 +63,7 @@ from maingrad.hooks.preflight import judge
 from maingrad.hooks.preflight.check import Check, LossFn, RunMicrobatch
 from maingrad.hooks.preflight.classify import classify, judge_repeat, local_summary
 from maingrad.hooks.preflight.result import PreflightResult
-from maingrad.hooks.preflight.state import BufferState, RngPair
+from maingrad.hooks.preflight.state import RngPair
 from maingrad.hooks.preflight.wrappers import Adapter, choose
 
 FD_GROUPS: tuple[str, ...] = ("mechanism", "module_type", "param")
@@ -189,7 +190,7 @@ def preflight(
 def _execute(check: Check) -> PreflightResult:
     adapter = check.adapter
     started = time.perf_counter()
-    buffers = BufferState(check.model)
+    buffers = check.buffers
     adapter.save_user_grads()
     error = tb = None
     tolerances: dict[str, Any] = {}

@@ -23,6 +23,7 @@ once at the start and copied back at the end; parameters are restored by the fin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import sys
@@ -137,26 +138,56 @@ class RngState:
 
 
 class BufferState:
-    """Copies of every buffer of the model, put back in place (same tensor objects) by `restore()`."""
+    """Copies of every buffer of the model, put back in place (same tensor objects) by `restore()`; and which
+    of them a run changed (their version counters: no device sync)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self._names: list[str] = []
+        self._versions: list[int] = []
+        # buffers that hold a parameter's storage (megatron-core's MoE experts register their weights' big
+        # tensor as one): restored only at the end, never while the finite differences move the weights
+        self._aliased: set[int] = set()
+        storages = set()
+        for p in model.parameters():
+            with contextlib.suppress(Exception):  # (a tensor subclass without a plain storage)
+                storages.add(p.untyped_storage().data_ptr())
         seen: set[int] = set()
-        for module in model.modules():
+        for prefix, module in model.named_modules():
             for name, buf in module._buffers.items():
                 if buf is None or id(buf) in seen:
                     continue
                 seen.add(id(buf))
+                with contextlib.suppress(Exception):
+                    if buf.untyped_storage().data_ptr() in storages:
+                        self._aliased.add(len(self._buffers))
                 self._buffers.append((module, name, buf, buf.detach().clone()))
+                self._names.append(f"{prefix}.{name}" if prefix else name)
+        self.mark()
 
-    def restore(self) -> None:
+    def restore(self, aliased: bool = True) -> None:
+        """Every buffer as it was (`aliased=False`: not those that hold a parameter's storage)."""
         with torch.no_grad():
-            for module, name, buf, saved in self._buffers:
+            for k, (module, name, buf, saved) in enumerate(self._buffers):
+                if not aliased and k in self._aliased:
+                    continue
                 module._buffers[name] = buf  # a forward may have replaced the object
                 if buf.shape == saved.shape:
                     buf.copy_(saved)
                 else:
                     buf.data = saved
+        self.mark()
+
+    def mark(self) -> None:
+        self._versions = [buf._version for _, _, buf, _ in self._buffers]
+
+    def moved(self) -> list[str]:
+        """The buffers written (in place, or replaced) since the last `restore()` or `mark()`."""
+        return [
+            self._names[k]
+            for k, (module, name, buf, _) in enumerate(self._buffers)
+            if module._buffers.get(name) is not buf or buf._version != self._versions[k]
+        ]
 
 
 class StepStart:

@@ -613,3 +613,46 @@ def test_a_group_within_a_parameters_tolerance_bounds_the_parts_that_cannot_be_e
     lone = fd._node("alone", [0], False, 0)
     fd._finish(lone, Estimate(ratio=None, reason="no two steps agree"))
     assert lone.probe.verdict == "inconclusive"
+
+
+def test_every_run_starts_from_the_callers_buffers_but_not_a_parameters_storage() -> None:
+    """A buffer the forward writes and computes with (a running scale) starts every run where the caller left
+    it, so the repeat of a micro-batch is not nondeterminism; a buffer that holds a parameter's storage (as
+    megatron-core's MoE experts register their weights) is never put back mid-call, so the finite differences'
+    moves reach the forward; after the call every buffer is as the caller left it."""
+
+    class Stateful(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+            self.out = torch.nn.Linear(6, 6)
+            self.register_buffer("scale", torch.ones(()))
+            self.register_buffer("alias", self.out.weight.data.view(-1), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x) * self.scale.clone()
+            with torch.no_grad():
+                self.scale.mul_(1.05)  # written by every forward, as a power iteration's vector would be
+            return self.out(torch.tanh(y))
+
+    def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+
+    def run(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        value = loss(model, batch)
+        value.backward()
+        return value.detach()
+
+    torch.manual_seed(0)
+    model = Stateful()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=gen), torch.randn(8, 6, generator=gen)) for _ in range(3)]
+    result = preflight(model, run, batches, loss_fn=loss, module_fd=False)  # the loss-level probes alone
+    assert result.error is None and result.status in ("pass", "inconclusive"), result.table()
+    aliased = next(p for p in result.params if p.name == "out.weight")
+    assert aliased.fd_scale == pytest.approx(1.0, rel=0.01), result.table()  # its moves reached the loss
+    assert not any("grad_nondeterministic" in p.anomalies for p in result.params), result.table()
+    unsure = [p for p in result.params if p.inconclusive]
+    assert all("writes buffers (scale)" in " ".join(p.notes) for p in unsure), result.table()
+    assert float(model.scale) == 1.0 and torch.equal(model.alias, model.out.weight.detach().view(-1))

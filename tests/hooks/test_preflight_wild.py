@@ -1,7 +1,8 @@
-"""maingrad.hooks.preflight on the untuned population of `preflight_wild.py` (27 architectures, fp32 and bf16,
-3 or 10 seeds each, 4 to 7 bug kinds on a parameter drawn at random): a correct model passes; a bug is named on its
-parameter and nowhere else, with the anomaly its kind must get, or its miss is visible (the parameter is
-inconclusive, or its `fd_resolution` admits the factor). Never a false alarm, a wrong blame or a silent miss."""
+"""maingrad.hooks.preflight on the untuned population of `preflight_wild.py` (37 architectures, fp32 and bf16,
+3 or 10 seeds each, 4 to 8 bug kinds on a parameter drawn at random): a correct model passes (a stateful forward:
+or is inconclusive on that account alone); a bug is named on its parameter and nowhere else, with the anomaly its
+kind must get, or its miss is visible (the parameter is inconclusive, or its `fd_resolution` admits the factor).
+Never a false alarm, a wrong blame or a silent miss."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def test_a_correct_model_passes(name: str, seed: int) -> None:
     case = CASES[name]
     model, _ = build(case, seed, None)
     result = preflight(model, microbatch(case.loss), case.batches(3, seed), loss_fn=case.loss)
+    if case.stateful and result.status == "inconclusive":  # only on account of the buffers' drift
+        unsure = [p for p in result.params if p.inconclusive]
+        assert all("the forward writes buffers" in " ".join(p.notes) for p in unsure), result.table()
+        return
     assert result.status == "pass", result.table()
 
 
@@ -35,11 +40,12 @@ def test_a_bug_is_named_on_its_parameter_or_visibly_missed(name: str, seed: int,
     named = {p.name: p.anomalies for p in result.params if p.anomalies}
     assert set(named) <= {target}, result.table()  # nothing else blamed
     _, code, factor = BUGS[bug]
+    p = next(p for p in result.params if p.name == target)
     if target in named:
-        assert code is None or code in named[target], result.table()
+        # (a scalar's singles are parallel: which were kept cannot be told, only that the sum is off)
+        assert code is None or code in named[target] or p.numel == 1, result.table()
         return
     # a miss: only of a bug the finite differences must find (the runs name every accumulation bug), and
     # visible on the parameter (a zeroed gradient: inconclusive, never `unused`)
-    p = next(p for p in result.params if p.name == target)
     assert factor is not None, result.table()
     assert p.inconclusive or (factor != 0.0 and p.could_hide(factor)), result.table()
