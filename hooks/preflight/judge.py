@@ -265,8 +265,8 @@ def accumulation_verdict(
             r.inconclusive = True
             r.notes.append(
                 f"G(sequence) differs from the sum of the singles with every coefficient near 1 (c = {text}): "
-                f"the forward writes buffers ({', '.join(list(stateful)[:3])}) that the sequence's later "
-                "micro-batches compute with, as in training, while each single starts from the caller's"
+                f"the forward writes buffers ({', '.join(list(stateful)[:3])}), which the sequence's later "
+                "micro-batches may compute with, as in training, while each single starts from the caller's"
             )
             return
         r.anomalies.append("grad_inconsistent")

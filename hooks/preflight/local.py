@@ -524,9 +524,8 @@ class LocalVerdict:
     sigma: float
     ratio: float | None
     error: float | None
-    verdict: (
-        str  # ok | deviates | lost | wrong | scaled | unused | moves | unknown (unused: no effect either way)
-    )
+    # ok | deviates | lost | wrong | scaled | unused | moves | unknown (unused: no effect either way)
+    verdict: str
 
 
 def judge(

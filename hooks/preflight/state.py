@@ -182,11 +182,13 @@ class BufferState:
         self._versions = [buf._version for _, _, buf, _ in self._buffers]
 
     def moved(self) -> list[str]:
-        """The buffers written (in place, or replaced) since the last `restore()` or `mark()`."""
+        """The buffers written (in place, or replaced) since the last `restore()` or `mark()` (not those that
+        hold a parameter's storage: they are weights)."""
         return [
             self._names[k]
             for k, (module, name, buf, _) in enumerate(self._buffers)
-            if module._buffers.get(name) is not buf or buf._version != self._versions[k]
+            if k not in self._aliased
+            and (module._buffers.get(name) is not buf or buf._version != self._versions[k])
         ]
 
 
