@@ -692,14 +692,3 @@ def build(case: WildCase, seed: int, bug: str | None) -> tuple[nn.Module, str | 
     name = target(case, model, seed)
     BUGS[bug][0](model, name)
     return model, name
-
-
-def microbatch(
-    loss: Callable[[nn.Module, Batch], torch.Tensor],
-) -> Callable[[nn.Module, Batch], torch.Tensor]:
-    def run(model: nn.Module, batch: Batch) -> torch.Tensor:
-        value = loss(model, batch)
-        value.backward()
-        return value.detach()
-
-    return run

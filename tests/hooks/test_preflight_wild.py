@@ -7,7 +7,8 @@ Never a false alarm, a wrong blame or a silent miss."""
 from __future__ import annotations
 
 import pytest
-from preflight_wild import BUGS, BUGS_OF, CASES, SEEDS, build, microbatch
+from preflight_wild import BUGS, BUGS_OF, CASES, SEEDS, build
+from preflight_zoo import microbatch
 
 from maingrad.hooks.preflight.run import preflight
 
