@@ -89,9 +89,8 @@ class Check:
         self.fd_rtol = fd_rtol
         self.rtol = rtol
         n = len(batches)
-        self.order = (
-            [*range(1, n), 0] if n > 1 else [0, 0]
-        )  # the sequence, rotated by one against the singles
+        # the sequence, rotated by one against the singles
+        self.order = [*range(1, n), 0] if n > 1 else [0, 0]
         entries = adapter.entries
         if params is not None:
             patterns = [params] if isinstance(params, str) else list(params)
@@ -129,9 +128,8 @@ class Check:
         self.synced = False  # prepare() or commit() ran after the last change of the weights
         self.zeroed = False  # zero() ran after the last backward
         self.uninstalled = False  # weights moved or restored in place since the last commit()
-        self.loss_unit = unit_roundoff(
-            torch.float32
-        )  # the loss's round-off (coarser for a bf16 loss: `loss`)
+        # the loss's round-off (coarser for a bf16 loss: `loss`)
+        self.loss_unit = unit_roundoff(torch.float32)
         # (pyright reads this file also as `hooks.preflight.check`, the folder it lives in, where the parts
         # expect the installed name's `Check`: the same class)
         self.loss_fd = LossFD(self)  # pyright: ignore[reportArgumentType]

@@ -21,7 +21,7 @@ def _set_ratio(share: float, factor: float) -> float | None:
 
 def test_every_factor_a_comparison_passes_is_inside_its_hidden_factor() -> None:
     """On 200,000 draws of (band, share, factor), every factor whose set still passes within `band` lies in
-    the band hidden_factor gives (the linear 1 + band / share misses about a fifth of them)."""
+    the band hidden_factor gives (the linear 1 + band / share misses about a quarter of them)."""
     rng = random.Random(0)
     hidden = missed_by_linear = 0
     for _ in range(200_000):
