@@ -47,9 +47,12 @@ from typing import Any, cast
 
 import torch
 
+from maingrad.hooks.preflight.state import storage_address
+
 # class names (on the module's class or a base) of modules whose output is affine in their parameters taken
 # together, or a product of two such parts (a layer norm's weight times a linear weight), from these packages
-# (not BatchNorm: a rerun would update its running statistics; not EmbeddingBag: its "max" mode selects)
+# (a rerun computes with copies of the module's buffers: a BatchNorm's running statistics stay as they were;
+# not EmbeddingBag: its "max" mode selects)
 PROBED = frozenset(
     {
         "Linear",
@@ -59,6 +62,12 @@ PROBED = frozenset(
         "LayerNorm",
         "RMSNorm",
         "GroupNorm",
+        "BatchNorm1d",
+        "BatchNorm2d",
+        "BatchNorm3d",
+        "InstanceNorm1d",
+        "InstanceNorm2d",
+        "InstanceNorm3d",
         "Bilinear",
         "PReLU",
         "Conv1d",
@@ -422,8 +431,17 @@ class LocalProbe:
         ctx: Any = (
             torch.autocast(*call.autocast[:1], dtype=call.autocast[2]) if call.autocast else nullcontext()
         )
+        # the reruns compute with copies of the module's own buffers: the originals may be saved for the
+        # backward that has not run yet (a BatchNorm's running statistics, which its training-mode forward
+        # updates in place and its output does not read), so they must not change, not even their version
+        # (not a buffer that holds a parameter's storage: the moved weights must reach the forward through it)
+        originals = dict(call.module._buffers)
+        weights = {storage_address(p) for p in call.module._parameters.values() if p is not None} - {None}
         self.rerunning = True
         try:
+            for k, b in originals.items():
+                if b is not None and storage_address(b) not in weights:
+                    call.module._buffers[k] = b.detach().clone()
             with torch.no_grad(), ctx:
                 for sign in (1.0,) if base is not None else (1.0, -1.0):
                     for (i, t), start, d in zip(members, starts, directions, strict=True):
@@ -435,6 +453,7 @@ class LocalProbe:
         finally:
             for (_, t), start in zip(members, starts, strict=True):
                 t.data.copy_(start)
+            call.module._buffers.update(originals)
             self.rerunning = False
         plus, minus = outs if base is None else (outs[0], base.detach())
         u = float(torch.finfo(plus.dtype).eps) / 2 if plus.dtype.is_floating_point else 0.0

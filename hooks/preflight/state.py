@@ -23,7 +23,6 @@ once at the start and copied back at the end; parameters are restored by the fin
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
 import sys
@@ -137,6 +136,15 @@ class RngState:
             put(state)
 
 
+def storage_address(t: torch.Tensor) -> int | None:
+    """The address of a tensor's storage (None for a tensor subclass without a plain one): a buffer at a
+    parameter's address holds that parameter's values."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 class BufferState:
     """Copies of every buffer of the model, put back in place (same tensor objects) by `restore()`; and which
     of them a run changed (their version counters: no device sync)."""
@@ -148,19 +156,15 @@ class BufferState:
         # buffers that hold a parameter's storage (megatron-core's MoE experts register their weights' big
         # tensor as one): restored only at the end, never while the finite differences move the weights
         self._aliased: set[int] = set()
-        storages = set()
-        for p in model.parameters():
-            with contextlib.suppress(Exception):  # (a tensor subclass without a plain storage)
-                storages.add(p.untyped_storage().data_ptr())
+        storages = {storage_address(p) for p in model.parameters()} - {None}
         seen: set[int] = set()
         for prefix, module in model.named_modules():
             for name, buf in module._buffers.items():
                 if buf is None or id(buf) in seen:
                     continue
                 seen.add(id(buf))
-                with contextlib.suppress(Exception):
-                    if buf.untyped_storage().data_ptr() in storages:
-                        self._aliased.add(len(self._buffers))
+                if storage_address(buf) in storages:
+                    self._aliased.add(len(self._buffers))
                 self._buffers.append((module, name, buf, buf.detach().clone()))
                 self._names.append(f"{prefix}.{name}" if prefix else name)
         self.mark()

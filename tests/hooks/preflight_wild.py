@@ -11,7 +11,7 @@ Each batch was run once before anything was changed for it; what it found was fi
   with GroupNorm, MLP-Mixer, highway gates, einsum weights with LoRA): one false blame in bf16 (two steps
   agreed on x0.83 where smaller steps showed noise ten times the measured one).
 - C (Linear + BatchNorm1d, 10 seeds): module-local false alarms where the BatchNorm removes a bias (3 of 10
-  seeds), and a ReLU kink read as x0.995 in fp32.
+  seeds), and a ReLU kink read as x0.995 in fp32. (BatchNorm is judged on its module since: 100 of 100.)
 - D (10: Perceiver latents, post-norm decoder, conv + InstanceNorm, a GRU cell loop, weights tied by hand
   with dropout, ReZero, an FFT long convolution, spectral norm): spectral norm's power iteration, a buffer
   the forward writes and computes with, made every run start where the last one left off: 3 of 3 correct
