@@ -384,7 +384,7 @@ class Check:
         self.subsets.gram(self.stats, ["s0"], only=suspects)
         return self.host()
 
-    # -- loss evaluations (the finite differences': `loss_fd.py`) ---------------------------------------------
+    # -- loss evaluations (the finite differences': `loss_fd.py`) --------------------------------------------
     def loss(self, batch: Any) -> torch.Tensor:
         self.buffers.restore(aliased=False)
         self.step_start.begin()  # the weights moved: a new step's FP8 cast

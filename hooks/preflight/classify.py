@@ -1,6 +1,6 @@
 """The comparison at the end of a preflight call: every device-side number to the host at once, then each
-parameter's verdicts from the runs (`judge.py` names the patterns) with the finite differences' laid over them;
-the repeat's verdict where one was run; the module-local summary."""
+parameter's verdicts from the runs (`judge.py` names the patterns) with the finite differences' laid over
+them; the repeat's verdict where one was run; the module-local summary."""
 
 from __future__ import annotations
 

@@ -263,9 +263,10 @@ def accumulation_verdict(
         bad = [k + 1 for k in range(n) if not near[k]]
         if not bad and stateful:
             r.inconclusive = True
+            written = ", ".join(list(stateful)[:3])
             r.notes.append(
-                f"G(sequence) differs from the sum of the singles with every coefficient near 1 (c = {text}): "
-                f"the forward writes buffers ({', '.join(list(stateful)[:3])}), which the sequence's later "
+                "G(sequence) differs from the sum of the singles with every coefficient near 1 "
+                f"(c = {text}): the forward writes buffers ({written}), which the sequence's later "
                 "micro-batches may compute with, as in training, while each single starts from the caller's"
             )
             return

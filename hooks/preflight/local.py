@@ -85,10 +85,10 @@ ORIGINS = ("torch.nn.", "transformer_engine.", "megatron.")
 EPS_BIG = 2.0**6  # a weight's largest step relative to its norm (of a bias at zero: its floored norm)
 EPS_FLOOR = 2.0**-7  # the smallest: a bf16 weight moved by less rounds back to itself almost everywhere
 SIGMAS = 4.0  # an error bar is this many standard deviations of the output rounding
-# per level of a reduction's tree, on the sum of its terms' magnitudes: <dy, y+ - y-> is summed in fp32, and so
-# is the reported gradient over the same per-element terms (a bias: the sum of dy over the tokens), on both
-# sides of the comparison. Where those terms cancel (a bias a normalisation after it removes), both sides
-# are that rounding and their ratio says nothing
+# per level of a reduction's tree, on the sum of its terms' magnitudes: <dy, y+ - y-> is summed in fp32, and
+# so is the reported gradient over the same per-element terms (a bias: the sum of dy over the tokens), on
+# both sides of the comparison. Where those terms cancel (a bias a normalisation after it removes), both
+# sides are that rounding and their ratio says nothing
 SUM_ROUNDING = 2 * 2.0**-24
 CHUNK = 1 << 24  # elements of dy and y+- reduced at a time (bounds the fp32 scratch of a vocabulary's logits)
 EACH_MAX = 8  # zero-gradient weights of one module probed one by one up to this many, else together

@@ -408,9 +408,9 @@ def finest(levels: Sequence[tuple[float, float, float]], noise: float, floor: fl
 
 
 def finer(levels: Sequence[tuple[float, float, float]], noise: float, floor: float = 0.0) -> float | None:
-    """The next smaller step that could confirm a blame: half the smallest so far, where the loss's noise would
-    still be at most E_MAX / 4 of the predicted change (extrapolated from that step), not below STEP_MIN, and
-    at most CONFIRM_LEVELS steps in all. None where no smaller step can be measured."""
+    """The next smaller step that could confirm a blame: half the smallest so far, where the loss's noise
+    would still be at most E_MAX / 4 of the predicted change (extrapolated from that step), not below
+    STEP_MIN, and at most CONFIRM_LEVELS steps in all. None where no smaller step can be measured."""
     usable = sorted((s, p) for s, c, p in levels if p != 0.0 and math.isfinite(c) and math.isfinite(p))
     if not usable or len(levels) >= CONFIRM_LEVELS:
         return None
@@ -437,9 +437,9 @@ def contradicted(
         allowed = 3 * bar + (est.error or 0.0) * abs(r * p)
         if abs(c - r * p) > allowed:
             return (
-                f"two steps agree on true / reported {r:.4g}, but at the smaller step {_fmt_step(s)} the loss "
-                f"changed by {c:.3g} where that predicts {r * p:.3g} (noise {noise:.3g}): the noise along "
-                "this direction is larger than measured"
+                f"two steps agree on true / reported {r:.4g}, but at the smaller step {_fmt_step(s)} "
+                f"the loss changed by {c:.3g} where that predicts {r * p:.3g} (noise {noise:.3g}): the "
+                "noise along this direction is larger than measured"
             )
     return None
 

@@ -11,8 +11,8 @@ least 3 distinct ones are needed to rule out periodic errors, fewer are run and 
 must already be wrapped (Megatron-FSDP, Megatron DDP, torch FSDP2, or none); the gradients judged are the
 ones the optimizer would read after the wrapper's grad sync (`wrappers.py`).
 
-Runs (`check.py`; each from zeroed gradient buffers and the caller's module buffers, every micro-batch from the
-caller's random state):
+Runs (`check.py`; each from zeroed gradient buffers and the caller's module buffers, every micro-batch from
+the caller's random state):
 1. every micro-batch alone, in order ("singles" g_1 .. g_N): N backward passes;
 2. all of them accumulated in an order rotated by one against the singles (2, 3, .., N, 1): N passes. The
    rotation puts every micro-batch at a different position and global backward count than in its single, so

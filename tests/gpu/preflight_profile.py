@@ -4,8 +4,8 @@
 
 Prints (lines starting PROFILE): a loss forward, a forward+backward and a training step of the case, timed
 alone; then one call with and one without the module-local check, each phase of the call timed with the
-device synchronized around it (phases nest: `Check._run` and the `Subsets.*` lines are inside the others, and the
-sum is a little more than an unprofiled call), with the
+device synchronized around it (phases nest: `Check._run` and the `Subsets.*` lines are inside the others,
+and the sum is a little more than an unprofiled call), with the
 module-local screening's and refinement's rerun counts and the weights the screening left loosely bounded;
 then the call under cProfile (the call is CPU-bound: the Python and launch time is the cost), sorted by
 cumulative time over maingrad's functions and by own time over everything.
@@ -28,8 +28,8 @@ import torch
 # the phases timed, by the module and class that hold them (a method of one call's Check or of its parts)
 PHASES = {
     ("check", "Check"): [
-        "first", "singles", "sequence", "repeat", "needs_repeat", "__init__", "_run", "_zero", "_prepare", "commit",
-        "loss", "adopt_fp8_state",
+        "first", "singles", "sequence", "repeat", "needs_repeat", "__init__", "_run", "_zero", "_prepare",
+        "commit", "loss", "adopt_fp8_state",
     ],
     ("loss_fd", "LossFD"): ["probe_first", "probe_rest", "probe_left", "_first_steps", "evaluate"],
     ("local_fd", "LocalFD"): ["screening", "plan_refinement", "refinement", "judge", "find_tensors"],

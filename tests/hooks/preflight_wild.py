@@ -41,7 +41,7 @@ from torch import nn
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-# -- batch A ------------------------------------------------------------------------------------------------------
+# -- batch A -------------------------------------------------------------------------------------------------
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -237,7 +237,7 @@ class PadEmbedding(nn.Module):
         return self.head(torch.cat([self.emb(x), bag], -1))
 
 
-# -- batch B ------------------------------------------------------------------------------------------------------
+# -- batch B -------------------------------------------------------------------------------------------------
 class ConvNeXt(nn.Module):
     """Depthwise convolution, channels-last LayerNorm, and a layer scale initialised to 1e-2."""
 
@@ -403,7 +403,7 @@ class LoRA(nn.Module):
         return torch.tanh(h) @ self.w2.T
 
 
-# -- batch C ------------------------------------------------------------------------------------------------------
+# -- batch C -------------------------------------------------------------------------------------------------
 def mlp_batchnorm() -> nn.Module:
     """Linear layers each followed by BatchNorm1d in training mode: the normalisation removes each bias's
     effect (its true gradient is 0; the computed one is rounding)."""
@@ -413,7 +413,7 @@ def mlp_batchnorm() -> nn.Module:
     )  # fmt: skip
 
 
-# -- batch D: held out (run once, after the fixes the other batches led to) ------------------------------------
+# -- batch D: held out (run once, after the fixes the other batches led to) ----------------------------------
 class Perceiver(nn.Module):
     """Learned latents cross-attending to the tokens (MultiheadAttention with separate key/value sizes)."""
 
@@ -541,7 +541,7 @@ class Spectral(nn.Module):
         return self.b(F.silu(self.a(x)))
 
 
-# -- batches and losses -------------------------------------------------------------------------------------------
+# -- batches and losses --------------------------------------------------------------------------------------
 def tokens(n: int, seed: int) -> list[Batch]:
     gen = torch.Generator().manual_seed(seed)
     out = []

@@ -1,8 +1,8 @@
-"""maingrad.hooks.preflight on the untuned population of `preflight_wild.py` (37 architectures, fp32 and bf16,
-3 or 10 seeds each, 4 to 8 bug kinds on a parameter drawn at random): a correct model passes (a stateful forward:
-or is inconclusive on that account alone); a bug is named on its parameter and nowhere else, with the anomaly its
-kind must get, or its miss is visible (the parameter is inconclusive, or its `fd_resolution` admits the factor).
-Never a false alarm, a wrong blame or a silent miss."""
+"""maingrad.hooks.preflight on the untuned population of `preflight_wild.py` (37 architectures, fp32 and
+bf16, 3 or 10 seeds each, 4 to 8 bug kinds on a parameter drawn at random): a correct model passes (a
+stateful forward: or is inconclusive on that account alone); a bug is named on its parameter and nowhere
+else, with the anomaly its kind must get, or its miss is visible (the parameter is inconclusive, or its
+`fd_resolution` admits the factor). Never a false alarm, a wrong blame or a silent miss."""
 
 from __future__ import annotations
 
