@@ -65,6 +65,10 @@ class _Node:
     def zero(self) -> bool:
         return self.probe.zero_gradient
 
+    def triples(self) -> list[tuple[float, float, float]]:
+        """(step, C, P) of every level measured or inferred so far."""
+        return [(s, c, p) for s, (c, p) in self.levels.items()]
+
 
 class LossFD:
     """The loss-level finite differences of one preflight call: its probes, the measured noise and what each
@@ -400,7 +404,7 @@ class LossFD:
         return touched
 
     def _judge(self, node: _Node, noise: float) -> list[tuple[_Node, float]]:
-        levels = [(s, c, p) for s, (c, p) in node.levels.items()]
+        levels = node.triples()
         est = judge_levels(levels, noise, node.zero, self._floor())
         node.probe.levels = sorted(levels, reverse=True)
         node.probe.noise = noise
@@ -518,7 +522,7 @@ class LossFD:
         if multi:
             return self._split(node, est)
         if est.reliable and not confirmed:  # a blame: confirmed at the smallest steps the noise allows
-            levels = [(s, c, p) for s, (c, p) in node.levels.items()]
+            levels = node.triples()
             noise = node.probe.noise or 0.0
             smaller = finer(levels, noise, self._floor())
             if smaller is not None:
@@ -533,7 +537,7 @@ class LossFD:
     def _contradicted(self, node: _Node, est: Estimate) -> bool:
         """Whether a smaller step contradicts the estimate a parameter would be blamed on (`contradicted`);
         the reason goes to the probe."""
-        levels = [(s, c, p) for s, (c, p) in node.levels.items()]
+        levels = node.triples()
         why = contradicted(levels, est, node.probe.noise or 0.0, self._floor())
         if why is not None:
             node.probe.reason = why

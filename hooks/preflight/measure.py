@@ -390,20 +390,34 @@ def _fmt_step(s: float) -> str:
     return f"2^{math.log2(s):.0f}"
 
 
+def _ratios(levels: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """(step, true / reported, predicted change) of the levels whose ratio is defined, largest step first."""
+    return [
+        (s, c / p, p)
+        for s, c, p in sorted(levels, key=lambda level: -level[0])
+        if p != 0.0 and math.isfinite(c) and math.isfinite(p)
+    ]
+
+
+def _pair_error(
+    a: tuple[float, float, float], b: tuple[float, float, float], noise: float, floor: float
+) -> float:
+    """The relative error bar of the ratio at step b from the adjacent larger step a: their disagreement plus
+    the noise (at least `floor`) over each predicted change."""
+    (_, ra, pa), (_, rb, pb) = a, b
+    return (abs(ra - rb) + max(noise, floor) / abs(pa) + max(noise, floor) / abs(pb)) / max(abs(rb), 1e-30)
+
+
 def finest(levels: Sequence[tuple[float, float, float]], noise: float, floor: float = 0.0) -> Estimate | None:
     """The estimate of the two adjacent steps nearest the point that agree within E_MAX (the error bar as in
     `judge_levels`), or None. A blame rests on it, not on the pair with the smallest bar: a kink of the loss
     (a ReLU whose input is near 0) makes every pair of steps larger than its distance agree on an average
     slope; below it the central difference is the derivative again."""
-    valid = [
-        (s, c / p, p) for s, c, p in sorted(levels) if p != 0.0 and math.isfinite(c) and math.isfinite(p)
-    ]
-    for (sb, rb, pb), (sa, ra, pa) in zip(valid, valid[1:], strict=False):  # smallest steps first
-        error = (abs(ra - rb) + max(noise, floor) / abs(pa) + max(noise, floor) / abs(pb)) / max(
-            abs(rb), 1e-30
-        )
-        if error <= E_MAX and sa <= 2 * sb:
-            return Estimate(ratio=rb, error=error, step=sb, pair=(sa, sb), reliable=True)
+    valid = _ratios(levels)[::-1]  # smallest steps first
+    for b, a in zip(valid, valid[1:], strict=False):
+        error = _pair_error(a, b, noise, floor)
+        if error <= E_MAX and a[0] <= 2 * b[0]:
+            return Estimate(ratio=b[1], error=error, step=b[0], pair=(a[0], b[0]), reliable=True)
     return None
 
 
@@ -411,10 +425,10 @@ def finer(levels: Sequence[tuple[float, float, float]], noise: float, floor: flo
     """The next smaller step that could confirm a blame: half the smallest so far, where the loss's noise
     would still be at most E_MAX / 4 of the predicted change (extrapolated from that step), not below
     STEP_MIN, and at most CONFIRM_LEVELS steps in all. None where no smaller step can be measured."""
-    usable = sorted((s, p) for s, c, p in levels if p != 0.0 and math.isfinite(c) and math.isfinite(p))
+    usable = _ratios(levels)
     if not usable or len(levels) >= CONFIRM_LEVELS:
         return None
-    step, predicted = usable[0]
+    step, _, predicted = usable[-1]
     if step / 2 < STEP_MIN or max(noise, floor) > (E_MAX / 4) * abs(predicted) / 2:
         return None
     return step / 2
@@ -458,11 +472,10 @@ def judge_levels(
     by_step = sorted(levels, key=lambda level: -level[0])
     if zero:
         return _judge_zero(by_step, noise)
-    valid = [(s, c / p, p) for s, c, p in by_step if p != 0.0 and math.isfinite(c) and math.isfinite(p)]
+    valid = _ratios(by_step)
     candidates: list[tuple[float, float, float, tuple[float, float]]] = []  # (rel. error, r, step, pair)
-    for (sa, ra, pa), (sb, rb, pb) in zip(valid, valid[1:], strict=False):
-        error = abs(ra - rb) + max(noise, floor) / abs(pa) + max(noise, floor) / abs(pb)
-        candidates.append((error / max(abs(rb), 1e-30), rb, sb, (sa, sb)))
+    for a, b in zip(valid, valid[1:], strict=False):
+        candidates.append((_pair_error(a, b, noise, floor), b[1], b[0], (a[0], b[0])))
     best_pair = min(candidates) if candidates else None
     for a, b, c in zip(valid, valid[1:], valid[2:], strict=False):
         rs = sorted((a[1], b[1], c[1]))
