@@ -91,6 +91,7 @@ SIGMAS = 4.0  # an error bar is this many standard deviations of the output roun
 # sides are that rounding and their ratio says nothing
 SUM_ROUNDING = 2 * 2.0**-24
 CHUNK = 1 << 24  # elements of dy and y+- reduced at a time (bounds the fp32 scratch of a vocabulary's logits)
+_NOT_TORCH = object()  # a forward hook called by hand, without the kwargs torch passes (`LocalProbe._post`)
 EACH_MAX = 8  # zero-gradient weights of one module probed one by one up to this many, else together
 
 
@@ -307,8 +308,14 @@ class LocalProbe:
                 found[id(a)] = (self.weights[id(a)], a)
         return list(found.values())
 
-    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.rerunning:
+    def _pre(
+        self, module: torch.nn.Module, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None = None
+    ) -> None:
+        # torch hands a hook registered with kwargs both; code that calls a module's pre-hooks itself is not a
+        # call of that module (megatron-core's fused GroupedMLP calls `hook(submodule, None)`, then computes with
+        # the submodule's weights outside its call): nothing to pair with a post-hook, and the weights' uses
+        # there are seen as uses outside their module's call
+        if self.rerunning or args is None or kwargs is None:
             return
         # what the call computes with, as its forward starts: a sharding wrapper's own hooks (FSDP2's, which
         # run first) register the unsharded parameters before it and may put the shards back after it
@@ -326,9 +333,9 @@ class LocalProbe:
         module: torch.nn.Module,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        output: Any,  # noqa: ANN401
+        output: Any = _NOT_TORCH,  # noqa: ANN401
     ) -> None:
-        if self.rerunning:
+        if self.rerunning or output is _NOT_TORCH:  # called by hand as hook(module, args, output): see `_pre`
             return
         if not self._calls or self._calls[-1][0] is not module:  # a call that started before the hooks
             return

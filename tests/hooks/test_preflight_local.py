@@ -124,6 +124,50 @@ def test_a_weight_used_outside_its_module_call_is_not_judged_there() -> None:
     assert result.ok, result.table()
 
 
+class _FusedImpl(nn.Module):
+    """Two Linears run by a fused implementation, the way megatron-core 0.19's fused GroupedMLP runs its
+    `linear_fc1`/`linear_fc2`: the container calls each submodule's pre-forward hooks itself as
+    `hook(submodule, None)` (and here its forward hooks as `hook(submodule, args, output)`) and then computes
+    with the submodules' weights outside their calls."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, 32, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for sub in (self.fc1, self.fc2):
+            for hook in list(sub._forward_pre_hooks.values()):
+                if hook(sub, None) is not None:
+                    raise RuntimeError("a pre-forward hook modified the input")
+        y = torch.nn.functional.linear(h, self.fc1.weight, self.fc1.bias)
+        y = torch.nn.functional.linear(torch.nn.functional.gelu(y), self.fc2.weight, self.fc2.bias)
+        for sub in (self.fc1, self.fc2):
+            for hook in list(sub._forward_hooks.values()):
+                hook(sub, (h,), y)
+        return self.head(h + y)
+
+
+def test_hooks_called_by_hand_are_not_module_calls() -> None:
+    """A fused implementation that calls its submodules' hooks itself, with the arguments of a hook registered
+    without kwargs (megatron-core's `hook(submodule, None)`), must not break the run: those calls are ignored,
+    the weights they compute with are seen as used outside their module's call, and the loss-level probe judges
+    them; a x2 on one of them is still named there."""
+    torch.manual_seed(0)
+    result = _check(_FusedImpl())
+    assert result.ok and result.error is None, result.table()
+    assert all(p.fd_local is None for p in result.params if p.name.startswith("fc")), result.table()
+    assert set(result.local["used_outside"]) == {"fc1.bias", "fc2.bias"}, result.local  # (the weights: bounded)
+    torch.manual_seed(0)
+    model = _FusedImpl()
+    model.fc2.weight.register_hook(lambda g: 2 * g)
+    result = _check(model)
+    assert _anomalies(result) == {"fc2.weight": ["grad_scaled"]}, result.table()
+
+
 def test_a_module_whose_forward_is_rewritten_is_not_probed() -> None:
     class Noisy(nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
