@@ -160,7 +160,8 @@ def test_hooks_called_by_hand_are_not_module_calls() -> None:
     result = _check(_FusedImpl())
     assert result.ok and result.error is None, result.table()
     assert all(p.fd_local is None for p in result.params if p.name.startswith("fc")), result.table()
-    assert set(result.local["used_outside"]) == {"fc1.bias", "fc2.bias"}, result.local  # (the weights: bounded)
+    # (fp32: the loss-level probe bounds the fc weights within x1.25, so only the biases were planned)
+    assert set(result.local["used_outside"]) == {"fc1.bias", "fc2.bias"}, result.local
     torch.manual_seed(0)
     model = _FusedImpl()
     model.fc2.weight.register_hook(lambda g: 2 * g)
