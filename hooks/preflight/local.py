@@ -337,8 +337,11 @@ class LocalProbe:
     ) -> None:
         if self.rerunning or output is _NOT_TORCH:  # called by hand as hook(module, args, output): see `_pre`
             return
-        if not self._calls or self._calls[-1][0] is not module:  # a call that started before the hooks
+        at = next((k for k in range(len(self._calls) - 1, -1, -1) if self._calls[k][0] is module), None)
+        if at is None:  # a call that started before the hooks
             return
+        self._abandon(self._calls[at + 1 :])
+        del self._calls[at + 1 :]
         _, flat, accounted, owned = self._calls.pop()
         for _, t in accounted:
             self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
@@ -380,6 +383,16 @@ class LocalProbe:
         )
         self._pending[id(call)] = call
         out.register_hook(self._on_grad(call))
+
+    def _abandon(self, calls: list[tuple[torch.nn.Module, list[object], list[Any], list[Any]]]) -> None:
+        """Calls whose pre-forward hook ran but whose post-forward hook never came for them (a fused
+        implementation that calls a submodule's pre-hooks itself, with kwargs, and its post-hooks out of
+        order or not at all): their weights are not judged here."""
+        for _, _, accounted, _ in calls:
+            for i, t in accounted:
+                self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
+                if i in self.plan:
+                    self.failed.add(i)
 
     # -- the backward --------------------------------------------------------------------------------------
     def _on_grad(self, call: _Call) -> Callable[[torch.Tensor], None]:
@@ -519,6 +532,7 @@ class LocalProbe:
             for call in self._pending.values():  # an output whose gradient never came: not judged
                 self.failed.update(i for i, _ in call.accounted)
             self._pending = {}
+            self._abandon(self._calls)
             self._calls = []
             self.active = {}
 
