@@ -309,12 +309,15 @@ class LocalProbe:
         return list(found.values())
 
     def _pre(
-        self, module: torch.nn.Module, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None = None
+        self,
+        module: torch.nn.Module,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> None:
         # torch hands a hook registered with kwargs both; code that calls a module's pre-hooks itself is not a
-        # call of that module (megatron-core's fused GroupedMLP calls `hook(submodule, None)`, then computes with
-        # the submodule's weights outside its call): nothing to pair with a post-hook, and the weights' uses
-        # there are seen as uses outside their module's call
+        # call of that module (megatron-core's fused GroupedMLP calls `hook(submodule, None)`, its CUDA graphs
+        # `hook(module)`, then compute with the weights outside the module's call): nothing to pair with a
+        # post-hook, and the weights' uses there are seen as uses outside their module's call
         if self.rerunning or args is None or kwargs is None:
             return
         # what the call computes with, as its forward starts: a sharding wrapper's own hooks (FSDP2's, which
