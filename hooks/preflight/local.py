@@ -278,6 +278,9 @@ class LocalProbe:
         self.plan = plan
         self.escaped: dict[int, str] = {}  # entries used outside a probed call that accounts for them: how
         self.failed: set[int] = set()  # entries one of whose calls could not be measured
+        # entries whose module's pre-forward hooks were called by hand (a fused implementation computes with
+        # them in kernels the watch may not see): their module's own call, if any, is not all of their use
+        self.bypassed: set[int] = set()
         self.sums: dict[tuple[int, ...], Sums] = {}
         self.rerunning = False
         self.active: dict[int, int] = {}  # id(weight) -> probed calls on the stack accounting for it
@@ -317,8 +320,14 @@ class LocalProbe:
         # torch hands a hook registered with kwargs both; code that calls a module's pre-hooks itself is not a
         # call of that module (megatron-core's fused GroupedMLP calls `hook(submodule, None)`, its CUDA graphs
         # `hook(module)`, then compute with the weights outside the module's call): nothing to pair with a
-        # post-hook, and the weights' uses there are seen as uses outside their module's call
-        if self.rerunning or args is None or kwargs is None:
+        # post-hook, and the module's weights are not judged here (TE's fused kernels use them unseen)
+        if self.rerunning:
+            return
+        if args is None or kwargs is None:
+            for p in module._parameters.values():
+                i = self.weights.get(id(p)) if p is not None else None
+                if i is not None and i in self.plan:
+                    self.bypassed.add(i)
             return
         # what the call computes with, as its forward starts: a sharding wrapper's own hooks (FSDP2's, which
         # run first) register the unsharded parameters before it and may put the shards back after it
@@ -540,7 +549,7 @@ class LocalProbe:
             self.active = {}
 
     def complete(self, i: int) -> bool:
-        return i not in self.escaped and i not in self.failed
+        return i not in self.escaped and i not in self.failed and i not in self.bypassed
 
 
 def prediction(start: torch.Tensor, move: Move, grad: torch.Tensor, sides: int = 2) -> torch.Tensor:

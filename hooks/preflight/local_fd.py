@@ -32,6 +32,7 @@ LOCAL_EXPLAINED = frozenset(
     }
 )
 UNSURE = 0.5  # a screened set is judged again where one of its weights could hide a factor of 1.5 (or 0.5)
+BYPASSED = "its module's hooks called by a fused implementation"
 BOUND_ENOUGH = 0.25  # a weight the loss-level probe bounds within x1.25 is not screened on its module
 
 
@@ -225,7 +226,9 @@ class LocalFD:
         """The sets of weights to judge: the reruns' sets, merged where they share a weight (a tied one); a set
         holding a weight one of whose calls could not be measured is left out (its weights noted, with why)."""
         for i in probe.plan:
-            if i in probe.escaped:
+            if i in probe.bypassed:
+                self.not_judged.setdefault(BYPASSED, set()).add(i)
+            elif i in probe.escaped:
                 self.escapes.setdefault(i, probe.escaped[i])
                 self.not_judged.setdefault("used outside its module's call", set()).add(i)
             elif i in probe.failed:

@@ -14,7 +14,7 @@ from preflight_zoo import cross_entropy, microbatch, mse, regression_batches, to
 from torch import nn
 
 from maingrad.hooks.preflight.local import LocalProbe, Move, prediction, probed_kind
-from maingrad.hooks.preflight.local_fd import UNSURE
+from maingrad.hooks.preflight.local_fd import BYPASSED, UNSURE
 from maingrad.hooks.preflight.run import preflight
 
 
@@ -169,15 +169,15 @@ class _FusedImpl(nn.Module):
 def test_hooks_called_by_hand_are_not_module_calls(style: str, dtype: torch.dtype) -> None:
     """A fused implementation that calls its submodules' hooks itself, with or without the kwargs a hook was
     registered for, must not break the run nor be judged as the submodule's call: the weights it computes with
-    are not judged on their module (their uses there are outside their module's call, or the call has no
-    output to compare), and the loss-level probe judges them. The correct model passes; a x2 on one of those
+    are not judged on their module (its hooks were called by hand, or the call has no output to compare), and
+    the loss-level probe judges them. The correct model passes; a x2 on one of those
     weights is named, by the loss."""
     torch.manual_seed(0)
     result = _check(_FusedImpl(style).to(dtype))
     assert result.ok and result.error is None, result.table()
     assert all(p.fd_local is None for p in result.params if p.name.startswith("fc")), result.table()
     kwargs = ("te-kwargs", "shared-experts")
-    why = "its module could not be rerun" if style in kwargs else "used outside its module's call"
+    why = "its module could not be rerun" if style in kwargs else BYPASSED
     assert set(result.local["not_judged"]) <= {why, "bounded within x1.25 by the loss-level probe"}, (
         result.local
     )
