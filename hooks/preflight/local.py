@@ -349,11 +349,10 @@ class LocalProbe:
     ) -> None:
         if self.rerunning or output is _NOT_TORCH:  # called by hand as hook(module, args, output): see `_pre`
             return
-        at = next((k for k in range(len(self._calls) - 1, -1, -1) if self._calls[k][0] is module), None)
-        if at is None:  # a call that started before the hooks
+        # a call that started before the hooks, or one whose pre-hook was called by hand out of order (left
+        # open: abandoned when the watch ends)
+        if not self._calls or self._calls[-1][0] is not module:
             return
-        self._abandon(self._calls[at + 1 :])
-        del self._calls[at + 1 :]
         _, flat, accounted, owned = self._calls.pop()
         for _, t in accounted:
             self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
@@ -397,9 +396,9 @@ class LocalProbe:
         out.register_hook(self._on_grad(call))
 
     def _abandon(self, calls: list[tuple[torch.nn.Module, list[object], list[Any], list[Any]]]) -> None:
-        """Calls whose pre-forward hook ran but whose post-forward hook never came for them (a fused
-        implementation that calls a submodule's pre-hooks itself, with kwargs, and its post-hooks out of
-        order or not at all): their weights are not judged here."""
+        """Calls still open when the watch ends: their pre-forward hook ran but no post-forward hook closed
+        them (a fused implementation that calls a submodule's hooks itself, with kwargs, out of order or
+        without the post-hook): their weights are not judged here."""
         for _, _, accounted, _ in calls:
             for i, t in accounted:
                 self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
