@@ -197,9 +197,10 @@ def test_mcore_fused_grouped_mlp_fixed_by_hooks(tmp_path: Path, experts: str, mi
 @needs_mcore
 def test_mcore_unsharded_gradients_heuristic_matches_reality(tmp_path: Path) -> None:
     """`optim` with 2 micro-batches: whether Megatron-FSDP's flags make the fused backward overwrite an
-    earlier micro-batch was an open question (docs/gpu-evidence.md §2 has the answer). Whatever the answer, the records must agree
-    with the gradients against the plain-autograd reference (the nonfused TE path reads the same flag, so
-    it cannot be the reference here): the overwrite anomaly is flagged exactly when the fused path diverges."""
+    earlier micro-batch was an open question (docs/gpu-evidence.md §2 has the answer). Whatever the answer,
+    the records must agree with the gradients against the plain-autograd reference (the nonfused TE path reads
+    the same flag, so it cannot be the reference here): the overwrite anomaly is flagged exactly when the
+    fused path diverges."""
     result = _script(tmp_path, "--strategy", "optim", "--mb", "2", "--no-sync", "--cases", "hooks", "plain")
     hooks = result["cases"]["hooks"]
     assert hooks["ok"], hooks["error"]
