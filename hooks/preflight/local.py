@@ -395,15 +395,13 @@ class LocalProbe:
         self._pending[id(call)] = call
         out.register_hook(self._on_grad(call))
 
-    def _abandon(self, calls: list[tuple[torch.nn.Module, list[object], list[Any], list[Any]]]) -> None:
-        """Calls still open when the watch ends: their pre-forward hook ran but no post-forward hook closed
-        them (a fused implementation that calls a submodule's hooks itself, with kwargs, out of order or
-        without the post-hook): their weights are not judged here."""
-        for _, _, accounted, _ in calls:
-            for i, t in accounted:
-                self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
-                if i in self.plan:
-                    self.failed.add(i)
+    def _abandon(self) -> None:
+        """Close the calls still open when the watch ends: their pre-forward hook ran but no post-forward hook
+        closed them (a fused implementation that calls a submodule's hooks itself, with kwargs, out of order
+        or without the post-hook): their weights are not judged here."""
+        for _, _, accounted, _ in self._calls:
+            self.failed.update(i for i, _ in accounted if i in self.plan)
+        self._calls = []
 
     # -- the backward --------------------------------------------------------------------------------------
     def _on_grad(self, call: _Call) -> Callable[[torch.Tensor], None]:
@@ -543,8 +541,7 @@ class LocalProbe:
             for call in self._pending.values():  # an output whose gradient never came: not judged
                 self.failed.update(i for i, _ in call.accounted)
             self._pending = {}
-            self._abandon(self._calls)
-            self._calls = []
+            self._abandon()
             self.active = {}
 
     def complete(self, i: int) -> bool:
