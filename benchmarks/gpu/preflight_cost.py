@@ -165,7 +165,7 @@ class Phases:
 
     PARTS = {
         "maingrad.hooks.preflight.check.Check": (
-            "__init__", "first", "loss", "singles", "sequence", "repeat", "_run", "host",
+            "__init__", "first", "loss", "single", "sequence", "repeat", "_run", "host",
         ),
         "maingrad.hooks.preflight.loss_fd.LossFD": ("probe_first", "_round", "evaluate"),
         "maingrad.hooks.preflight.run": ("classify", "_execute"),

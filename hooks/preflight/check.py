@@ -55,6 +55,12 @@ FIT_DIM = 16
 RunMicrobatch = Callable[[torch.nn.Module, Any], Any]
 LossFn = Callable[[torch.nn.Module, Any], Any]
 FP8_FD_RTOL = 0.25  # 4 units of e4m3's round-off: an FP8 weight's factor within 1.25 is not judged
+# weights of at most this many elements are always in the probe on the first micro-batch's loss (biases, norms:
+# a sliver of the bytes moved; through them it checks the gradient each module's output got)
+END_TO_END_MAX = 1 << 16
+# where the module-local screening runs first, the copies of G(first) kept for that probe: at most this share
+# of the copy's bytes
+LATE_SHARE = 0.25
 
 
 class Check:
@@ -113,6 +119,10 @@ class Check:
         # singles' squared norm on its subset); the fit's residual decides whether the repeat is needed
         self.fits: dict[int, tuple[list[float], float]] = {}
         self.first_loss: Any = None
+        # the probe on the first micro-batch's loss runs after the module-local screening (`plan_loss_level`)
+        # and moves these weights (`loss_level`)
+        self.late = False
+        self.fd_first: list[int] = []
         fp8 = fp8_tensors(model)
         self.rng = RngState([*fp8_state_pairs(model, fp8), *rng_states])
         self.fp8_known = {id(t) for t in fp8}
@@ -290,30 +300,96 @@ class Check:
         self._zero()  # releases the wrapper's own G (Megatron-FSDP, plain .grad) while the weights move
         if self.local_fd.on:
             self.local_fd.find_tensors()
+        if self.finite_differences:
+            self.loss_fd.measure()
+
+    def plan_loss_level(self) -> None:
+        """Whether the probe on the first micro-batch's loss waits for the module-local screening (`late`): then
+        it moves only the weights the screening did not judge, and the small ones (`loss_level`). It waits
+        where the weights the screening cannot judge whatever it finds (not in a module it reruns, or in one
+        computing in FP8) and the small ones are at most LATE_SHARE of the copy (their copies are kept until
+        the probe), and there is a small weight for it to move: else it runs first and moves every weight."""
+        self.late = False
+        if not (self.finite_differences and self.local_fd.on):
+            return
+        now = self.loss_fd.now
+        small = [i for i in now if self.results[i].numel <= END_TO_END_MAX]
+        unjudged = set(self.local_fd.unjudgeable()) | set(small)
+        need = sum(self._copy_bytes(i) for i in now if i in unjudged)
+        self.late = bool(small) and need <= LATE_SHARE * self.copy_bytes
+
+    def loss_level(self) -> tuple[list[int], list[int]]:
+        """After the screening: the weights the probe on the first micro-batch's loss moves (every weight with a
+        gradient there that the screening did not judge `ok`, and every small one: the probe's check of the
+        gradient that reached each module's output, which the module-local one takes as given), and those it
+        leaves to the probe on all micro-batches' loss (`LossFD.probe_rest`, along the sum of the singles)
+        where keeping their copies would pass LATE_SHARE of the copy (a screening that judged few weights)."""
+        now = self.loss_fd.now
+        ok = {i for i, v in self.local_fd.verdicts.items() if v.verdict == "ok"}
+        small = {i for i in now if self.results[i].numel <= END_TO_END_MAX}
+        wanted = [i for i in now if i not in ok or i in small]
+        budget = LATE_SHARE * self.copy_bytes - sum(self._copy_bytes(i) for i in wanted if i in small)
+        first, rest = [], []
+        for i in wanted:
+            if i in small or self._copy_bytes(i) <= budget:
+                first.append(i)
+                budget -= 0 if i in small else self._copy_bytes(i)
+            else:
+                rest.append(i)
+        return first, rest
+
+    def upstream(self) -> None:
+        """After the probe on the first micro-batch's loss, where it ran after the screening: a weight it blames
+        that its own module judged `ok` got a gradient at the module's output that was already off (a wrong
+        backward upstream, a loss scaled in the backward only), and so may every weight the module-local check
+        judged: those it did not move go to the probe on all micro-batches' loss (`LossFD.probe_rest`), which
+        names each of them."""
+        ok = {i for i, v in self.local_fd.verdicts.items() if v.verdict == "ok"}
+        if not self.loss_fd.blamed() & ok:
+            return
+        moved = set(self.fd_first)
+        self.loss_fd.later += [i for i in self.loss_fd.now if i in ok and i not in moved]
+
+    def _copy_bytes(self, i: int) -> int:
+        c = self.copy[i]
+        return 0 if c is None else c.numel() * c.element_size()
 
     def singles(self) -> None:
         """The other micro-batches alone, each added into the copy (the sum of the singles, rounded once)."""
-        last = len(self.batches) - 1
         for k in range(1, len(self.batches)):
-            probe = self.local_fd.screening() if k == 1 else None
-            flats = self._run(f"s{k}", [k], probe)
-            if probe is not None:
-                self.local_fd.judge(probe, flats, screening=True)
-            adds: list[int] = []
-            for i in self.present[f"s{k}"]:
-                f = cast(torch.Tensor, flats[i])
-                if self.copy[i] is None:
-                    dtype = copy_dtype(f.dtype, self.tolerance(i, f.dtype))
-                    self.copy[i] = f.to(dtype, copy=True)
-                    self.copy_bytes += f.numel() * dtype.itemsize
-                    self.copy_dtypes.add(str(dtype))
-                else:
-                    adds.append(i)
-            if adds:  # one multi-tensor launch, not one add per parameter
-                foreach_add_(some(self.copy, adds), some(flats, adds))
-            if k == last:
-                self.local_fd.plan_refinement(flats, k)
-            del flats
+            self.single(k)
+
+    def single(self, k: int) -> None:
+        """Micro-batch k alone, added into the copy. The second one's backward holds the module-local
+        screening; where the probe on the first micro-batch's loss waits for it (`late`), the gradients that
+        probe moves along are copied before this single is added."""
+        last = len(self.batches) - 1
+        probe = self.local_fd.screening() if k == 1 else None
+        flats = self._run(f"s{k}", [k], probe)
+        if probe is not None:
+            self.local_fd.judge(probe, flats, screening=True)
+        if k == 1 and self.late:
+            first, rest = self.loss_level()
+            self.loss_fd.keep(first)
+            self.loss_fd.later += rest
+            self.fd_first = first
+        adds: list[int] = []
+        for i in self.present[f"s{k}"]:
+            f = cast(torch.Tensor, flats[i])
+            if self.copy[i] is None:
+                dtype = copy_dtype(f.dtype, self.tolerance(i, f.dtype))
+                self.copy[i] = f.to(dtype, copy=True)
+                self.copy_bytes += f.numel() * dtype.itemsize
+                self.copy_dtypes.add(str(dtype))
+            else:
+                adds.append(i)
+        if adds:  # one multi-tensor launch, not one add per parameter
+            foreach_add_(some(self.copy, adds), some(flats, adds))
+        if k == last:
+            self.local_fd.plan_refinement(flats, k)
+        del flats
+        if k == 1 and self.late:
+            self._zero()  # (as after the first run)
 
     def sequence(self) -> None:
         """All micro-batches accumulated in the rotated order, subtracted from the sum of the singles in place."""

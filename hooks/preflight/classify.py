@@ -143,6 +143,7 @@ def classify(check: Check) -> dict[str, Any]:
         r.anomalies = sorted(dict.fromkeys(r.anomalies), key=PREFLIGHT_ANOMALIES.index)
         if r.anomalies:
             r.inconclusive = False
+    check.loss_fd.apply_summed()  # after the accumulation verdicts, as the module-local ones
     check.local_fd.apply()  # after the accumulation verdicts: a pattern they name explains a local deviation
     for i in drifted:
         check.results[i].inconclusive = not check.results[i].anomalies

@@ -84,6 +84,23 @@ class LocalFD:
         deferred = set(self.deferred)
         return [i for i in zero if i not in deferred]
 
+    def unjudgeable(self) -> list[int]:
+        """The weights the screening cannot judge whatever it finds: no tensor of a module it reruns, a module
+        of another kind or computing in FP8, a tensor subclass whose uses cannot be watched."""
+        check = self.check
+        out = []
+        for i, e in enumerate(check.entries):
+            t = self.params.get(i)
+            owner = check.owners.get(id(e.raw_param))
+            if (
+                t is None
+                or type(t) is not torch.nn.Parameter
+                or local.probed_kind(owner) is None
+                or i in check.fp8_entries
+            ):
+                out.append(i)
+        return out
+
     def left(self) -> list[int]:
         """The deferred weights the module reruns left without a verdict (back to the loss-level probe)."""
         return [i for i in self.deferred if i not in self.verdicts]

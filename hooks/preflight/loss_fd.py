@@ -30,6 +30,7 @@ from maingrad.hooks.preflight.measure import (
     finest,
     foreach_copy_,
     judge_levels,
+    some,
     unit_roundoff,
 )
 from maingrad.hooks.preflight.moves import CANDIDATE_STEPS, Along, Moves
@@ -92,8 +93,19 @@ class LossFD:
         # per parameter: its predicted change per candidate step; 1 + the relative error its probe could hide
         self.weight_gains: dict[int, list[float]] = {}
         self.resolution: dict[int, float] = {}
-        self.sizes: list[float] = []  # per entry: |weights| (floored), from the first probe's norms
+        self.sizes: list[float] = []  # per entry: |weights| (floored), from the first run's norms (`measure`)
         self.gnorms: list[float] = []  # per entry: |G(first)|
+        self.now: list[int] = []  # parameters with a gradient on the first micro-batch
+        self.first_moves: Moves | None = None
+        # copies of G(first) for a probe on the first micro-batch's loss that runs after the next single
+        self.held: dict[int, torch.Tensor] = {}
+        self.held_bytes = 0
+        # probes (indexes into `probes`) along the sum of the singles, on every micro-batch's loss: their blames
+        # wait for the accumulation verdicts (`apply_summed`)
+        self.summed: set[int] = set()
+        self.summed_blames: list[tuple[int, str, float | None]] = []
+        self.first_params = 0  # weights the probe on the first micro-batch's loss moved, and their elements
+        self.first_elements = 0
 
     def evaluate(
         self,
@@ -214,22 +226,59 @@ class LossFD:
             out.append(flat.sum(dtype=acc))
         return out
 
-    def probe_first(self) -> None:
-        """The probes on the first micro-batch's loss, along its gradient: one combined probe of every group
-        (each group moved at its own step, scaled to a comparable share of the predicted change), split into
-        the groups and then bisected where an estimate deviates; one host transfer per round. Parameters
-        whose gradient is zero on that micro-batch wait for `fd_rest`."""
-        moves = Moves(self.check)
-        self.step_mult = moves.mult
+    def measure(self) -> None:
+        """After the first run: the norms of its gradient (the copy) and of the weights, one host transfer;
+        they size every move of the module-local screening and of the probe on the first micro-batch's loss.
+        Parameters whose gradient is zero on that micro-batch wait for `probe_rest`."""
+        moves = self.first_moves = Moves(self.check)
         self.gnorms = list(moves.gnorm)
         self.sizes = [moves.size(i, e.raw_param) for i, e in enumerate(self.check.entries)]
         usable = [
             i for i in range(len(self.check.entries)) if math.isfinite(moves.gnorm[i])
         ]  # else no direction
         self.later = [i for i in usable if not moves.gnorm[i] > 0.0]
-        now = [i for i in usable if moves.gnorm[i] > 0.0]
-        roots = self._probe(moves, now, [], "")
+        self.now = [i for i in usable if moves.gnorm[i] > 0.0]
+
+    def keep(self, indexes: list[int]) -> None:
+        """Copies of the first micro-batch's gradient (the copy, before the next single is added into it) of the
+        weights the probe on the first micro-batch's loss will move after that single (`probe_first`)."""
+        copy = self.check.copy
+        held = [i for i in indexes if copy[i] is not None]
+        self.held = dict(zip(held, copies(some(copy, held)), strict=True))
+        self.held_bytes = sum(t.numel() * t.element_size() for t in self.held.values())
+
+    def probe_first(self, indexes: list[int] | None = None) -> None:
+        """The probes on the first micro-batch's loss, along its gradient: one combined probe of every group
+        (each group moved at its own step, scaled to a comparable share of the predicted change), split into
+        the groups and then bisected where an estimate deviates; one host transfer per round. `indexes`: only
+        these weights, along the copies `keep` made (run after the module-local screening: the weights it
+        judged are not moved, `Check.loss_level`); default every weight with a gradient there, along the copy
+        (run right after the first micro-batch)."""
+        if self.first_moves is None:
+            self.measure()
+        moves = cast(Moves, self.first_moves)
+        now = self.now
+        if indexes is not None:
+            moves.restrict(indexes, self.held)
+            now = [i for i in indexes if i in moves.nonzero_set]
+        self.step_mult = moves.mult
+        self.first_params = len(now)
+        self.first_elements = sum(self.check.results[i].numel for i in now)
+        try:
+            roots = self._probe(moves, now, [], "")
+        finally:
+            self.held = {}
         self._check_visible(roots)
+
+    def blamed(self) -> set[int]:
+        """The parameters a finished probe blames (lost, scaled, wrong)."""
+        by_name = {e.name: i for i, e in enumerate(self.check.entries)}
+        return {
+            by_name[name]
+            for probe in self.probes
+            if probe.verdict in ("lost", "scaled", "wrong")
+            for name in probe.names
+        }
 
     def probe_rest(self) -> None:
         """After the singles, the parameters with no gradient on the first micro-batch, on the loss summed over
@@ -252,7 +301,9 @@ class LossFD:
         nonzero = [i for i in usable if moves.gnorm[i] > 0.0]
         zero = [i for i in usable if not moves.gnorm[i] > 0.0]
         zero = self.check.local_fd.defer(zero)  # the sequence's module reruns judge these first
+        start = len(self.probes)
         self._probe(moves, nonzero, zero, " (all micro-batches)" if n > 1 else "")
+        self.summed.update(range(start, len(self.probes)))
 
     def probe_left(self) -> None:
         """Zero-gradient weights the module reruns left without a verdict: on the loss, along random directions."""
@@ -262,7 +313,9 @@ class LossFD:
         moves = Moves(self.check)
         self.step_mult = moves.mult
         n = len(self.check.batches)
+        start = len(self.probes)
         self._probe(moves, [], left, " (all micro-batches)" if n > 1 else "")
+        self.summed.update(range(start, len(self.probes)))
 
     def _probe(self, moves: Moves, nonzero: list[int], zero: list[int], suffix: str) -> list[_Node]:
         """Probe `nonzero` along the gradient copy and `zero` along random directions until every probe has
@@ -488,7 +541,7 @@ class LossFD:
         probe.scale = 1 / r if r != 0 else math.inf
         ltol = math.log1p(node.tol)
         if not (r > 0 and math.isfinite(r)):
-            if (est.reliable or est.off) and (multi or not self._contradicted(node, est)):
+            if (est.reliable or est.off) and (multi or self._may_blame(node, est)):
                 probe.reason = f"true / reported {r:.3g}: the reported gradient points the wrong way"
                 return self._split(node, est) if multi else self._set(node, "wrong")
             probe.reason = probe.reason if est.reliable else est.reason  # (reliable: why it was contradicted)
@@ -529,10 +582,27 @@ class LossFD:
                 return [(node, smaller)]
             fine = finest(levels, noise, self._floor())
             return self._finish(node, fine if fine is not None else est, confirmed=True)
-        if self._contradicted(node, est):  # a blame needs every smaller step to agree
+        if not self._may_blame(node, est):
             return self._unsure(node)
         scale = 1 / r
         return self._set(node, "scaled" if 0 < scale <= 64 else "wrong")
+
+    def _may_blame(self, node: _Node, est: Estimate) -> bool:
+        """Whether the estimate may blame the probe's one parameter: no smaller step contradicts it
+        (`_contradicted`), and, where the module-local check judged the parameter `ok` (on its module's
+        output, to a few units of round-off), it checks itself (two steps agreeing), not only consistently
+        off (a bf16 loss at the steps a small weight needs). Else the reason goes to the probe."""
+        if self._contradicted(node, est):
+            return False
+        v = self.check.local_fd.verdicts.get(node.indexes[0])
+        if est.reliable or v is None or v.verdict != "ok":
+            return True
+        ratio = f"{est.ratio:.3g}" if est.ratio is not None else "?"
+        why = f" ({est.reason})" if est.reason else ""
+        node.probe.reason = (
+            f"true / reported {ratio} without two steps agreeing{why}; its own module judged it ok"
+        )
+        return False
 
     def _contradicted(self, node: _Node, est: Estimate) -> bool:
         """Whether a smaller step contradicts the estimate a parameter would be blamed on (`contradicted`);
@@ -566,11 +636,28 @@ class LossFD:
     def _unsure(self, node: _Node) -> list[tuple[_Node, float]]:
         """No estimate of its own that checks itself: `inconclusive`, unless a group above it passed within a
         single parameter's tolerance, whose bound on each weight (fd_resolution, from its shares) then stands
-        as the verdict: `ok` within that bound (a loose one is listed as weakly checked), not a claim more."""
+        as the verdict: `ok` within that bound (a loose one is listed as weakly checked), not a claim more.
+        A parameter alone whose predicted change stayed within the loss's noise at every step, the largest
+        allowed included, is as one whose share of a passing group is below its band: the loss cannot judge
+        it, `ok` with no bound (fd_resolution inf: listed as weakly checked), not `inconclusive`."""
         if node.bounded:
             node.probe.reason = (
                 f"bounded by a group above it ({node.probe.reason})" if node.probe.reason else ""
             )
+            return self._set(node, "ok")
+        levels = node.triples()
+        noise = max(node.probe.noise or 0.0, self._floor())
+        if (
+            len(node.indexes) == 1
+            and levels
+            and max(s for s, _, _ in levels) >= STEP_MAX
+            and all(abs(p) <= noise for _, _, p in levels)
+        ):
+            node.probe.reason = (
+                f"its predicted change of the loss stays within the loss's noise ({noise:.3g}) up to the largest "
+                f"step: the loss cannot judge it ({node.probe.reason})"
+            )
+            self.resolution[node.indexes[0]] = math.inf
             return self._set(node, "ok")
         return self._set(node, "inconclusive")
 
@@ -632,7 +719,22 @@ class LossFD:
                 r.inconclusive = probe.verdict == "inconclusive"
                 if r.inconclusive:
                     r.notes = [f"finite differences: {probe.reason}"]
-        for probe in self.probes:
+        self.summed_blames = []
+        for k, probe in enumerate(self.probes):
             if probe.verdict in ("lost", "scaled", "wrong"):
                 for name in probe.names:
-                    judge.fd_verdict(self.check.results[by_name[name]], probe.verdict, probe.scale, kind)
+                    if k in self.summed:
+                        self.summed_blames.append((by_name[name], probe.verdict, probe.scale))
+                    else:
+                        judge.fd_verdict(self.check.results[by_name[name]], probe.verdict, probe.scale, kind)
+
+    def apply_summed(self) -> None:
+        """The blames of the probes along the sum of the singles, after the accumulation verdicts: where those
+        already name what is wrong with the parameter (a pattern by position or backward count, a stale or
+        overwritten buffer), the sum of the singles carries that error and its factor is not a finding of its
+        own (as a module-local deviation, `LocalFD.apply`)."""
+        kind = self.check.adapter.kind
+        for i, verdict, scale in self.summed_blames:
+            r = self.check.results[i]
+            if not r.anomalies:
+                judge.fd_verdict(r, verdict, scale, kind)

@@ -48,6 +48,13 @@ class Moves:
         self.mult = [1.0] * n
         self._generators: dict[torch.device, torch.Generator] = {}
 
+    def restrict(self, indexes: list[int], directions: dict[int, torch.Tensor]) -> None:
+        """Move only `indexes` from now on, along `directions` (copies of the gradient these moves were sized
+        on: the copy itself has moved on); the noise's jitter moves the same weights."""
+        self.directions = [directions.get(i) for i in range(len(self.directions))]
+        self.nonzero = [i for i in indexes if i in self.nonzero_set and self.directions[i] is not None]
+        self.nonzero_set = set(self.nonzero)
+
     def size(self, i: int, t: torch.Tensor) -> float:
         """|move| per unit step: the weights' norm (at least sqrt(numel) x 2^-7, for weights initialised to 0)."""
         return max(self.tnorm[i], math.sqrt(t.numel()) * 2.0**-7)

@@ -209,11 +209,17 @@ def _execute(check: Check) -> PreflightResult:
         if check.adopt_fp8_state():
             check.first()  # from the FP8 scaling state the first run created, as every later run
         lap("runs")
-        if check.finite_differences:
+        check.plan_loss_level()
+        if check.finite_differences and not check.late:
             check.loss_fd.probe_first()
             lap("finite_differences")
-        check.singles()
-        lap("runs")
+        for k in range(1, len(check.batches)):
+            check.single(k)
+            lap("runs")
+            if k == 1 and check.late:
+                check.loss_fd.probe_first(check.fd_first)
+                check.upstream()
+                lap("finite_differences")
         if check.finite_differences:
             check.loss_fd.probe_rest()
             lap("finite_differences")
@@ -270,6 +276,8 @@ def _execute(check: Check) -> PreflightResult:
         "fd_groups": check.loss_fd.fd_group_count,
         "fd_probes": len(check.loss_fd.probes),
         "fd_rounds": check.loss_fd.rounds,
+        "fd_first_params": check.loss_fd.first_params,
+        "fd_first_elements": check.loss_fd.first_elements,
         "bisection_depth": depth,
         "params": len(check.entries),
         "microbatches": len(check.batches),

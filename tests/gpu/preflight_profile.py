@@ -28,10 +28,12 @@ import torch
 # the phases timed, by the module and class that hold them (a method of one call's Check or of its parts)
 PHASES = {
     ("check", "Check"): [
-        "first", "singles", "sequence", "repeat", "needs_repeat", "__init__", "_run", "_zero", "_prepare",
-        "commit", "loss", "adopt_fp8_state",
+        "first", "single", "sequence", "repeat", "needs_repeat", "__init__", "_run", "_zero", "_prepare",
+        "commit", "loss", "adopt_fp8_state", "plan_loss_level", "loss_level",
     ],
-    ("loss_fd", "LossFD"): ["probe_first", "probe_rest", "probe_left", "_first_steps", "evaluate"],
+    ("loss_fd", "LossFD"): [
+        "measure", "keep", "probe_first", "probe_rest", "probe_left", "_first_steps", "evaluate",
+    ],
     ("local_fd", "LocalFD"): ["screening", "plan_refinement", "refinement", "judge", "find_tensors"],
 }  # fmt: skip
 SUBSETS = ["take", "positions", "gram"]  # measure.Subsets' methods (inside the phases above)
@@ -115,6 +117,7 @@ def main() -> None:
         phases = " ".join(f"{k}={v * 1e3:.1f}" for k, v in spent.items())
         print(f"PROFILE module_fd={on} {total:.1f} ms ({result.status}): {phases}", flush=True)
         print(f"PROFILE cost {result.cost}", flush=True)
+        print(f"PROFILE local {result.local}", flush=True)
     profiler = cProfile.Profile()
     profiler.enable()
     call()

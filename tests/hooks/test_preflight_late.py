@@ -1,0 +1,154 @@
+"""The probe on the first micro-batch's loss after the module-local screening (`Check.plan_loss_level`): where
+the weights the screening cannot judge and the small ones fit in a quarter of the copy, the loss-level probe
+moves only those, along copies kept from before the second single; the weights judged on their own module are
+not moved. Models here have weights above `END_TO_END_MAX` elements, so that path runs on the CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from preflight_zoo import microbatch, mse, scale
+from torch import nn
+
+from maingrad.hooks.preflight import check as check_module
+from maingrad.hooks.preflight.result import PreflightResult
+from maingrad.hooks.preflight.run import preflight
+
+DIM = 272  # 272 x 272 = 73,984 elements: above END_TO_END_MAX
+
+
+class Doubled(torch.autograd.Function):
+    """The identity whose backward doubles the gradient: a wrong backward between two modules."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
+        return 2 * g
+
+
+class Deep(nn.Module):
+    """Pre-norm residual blocks of LayerNorm + Linear with a small head; `faulty`: the block whose output's
+    gradient is doubled on its way back (its weights get x2, those below it a mix)."""
+
+    def __init__(self, depth: int = 3, faulty: int | None = None, tied_by_hand: bool = False) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(DIM) for _ in range(depth))
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(depth))
+        self.head = nn.Linear(DIM, 8)
+        self.faulty = faulty
+        self.tied_by_hand = tied_by_hand
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, (norm, layer) in enumerate(zip(self.norms, self.layers, strict=True)):
+            h = layer(norm(x))
+            if k == self.faulty:
+                h = Doubled.apply(h)
+            x = x + 0.5 * torch.tanh(h)
+        if self.tied_by_hand:  # the first layer's weight used again outside its module
+            x = x + 0.1 * torch.tanh(F.linear(x, self.layers[0].weight))
+        return self.head(x)
+
+
+def _batches(n: int = 3, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [
+        (torch.randn(24, DIM, generator=g).to(dtype), torch.randn(24, 8, generator=g).to(dtype))
+        for _ in range(n)
+    ]
+
+
+def _run(model: nn.Module, dtype: torch.dtype = torch.float32) -> PreflightResult:
+    torch.manual_seed(0)
+    return preflight(model.to(dtype), microbatch(mse), _batches(dtype=dtype), loss_fn=mse)
+
+
+def _named(result: PreflightResult) -> dict[str, list[str]]:
+    return {p.name: p.anomalies for p in result.params if p.anomalies}
+
+
+def _model(**kwargs: Any) -> Deep:  # noqa: ANN401
+    torch.manual_seed(1)
+    return Deep(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_correct_model_passes_with_the_big_weights_judged_on_their_module_only(dtype: torch.dtype) -> None:
+    result = _run(_model(), dtype)
+    assert result.status == "pass", result.table()
+    big = {p.name for p in result.params if p.numel > check_module.END_TO_END_MAX}
+    assert big == {f"layers.{k}.weight" for k in range(3)}
+    # the loss-level probe moved every other parameter and none of those
+    assert result.cost["fd_first_params"] == len(result.params) - len(big)
+    moved = {name for g in result.groups if g.depth == 0 for name in g.names}
+    assert moved == {p.name for p in result.params} - big
+    for p in result.params:
+        assert p.verdict == "ok" and not p.inconclusive, result.table()
+        if p.name in big:
+            assert p.fd_probe is not None and p.fd_probe.startswith("module "), p
+            assert p.fd_resolution is not None and p.fd_resolution < 1.5, p
+
+
+@pytest.mark.parametrize(("target", "factor"), [("layers.1.weight", 2.0), ("layers.2.bias", 2.0),
+                                                ("norms.0.weight", 3.0), ("layers.0.weight", 0.5)])  # fmt: skip
+def test_a_scaled_weight_is_named_alone(target: str, factor: float) -> None:
+    model = _model()
+    scale(factor)(model, target)
+    result = _run(model)
+    assert _named(result) == {target: ["grad_scaled"]}, result.table()
+    p = next(p for p in result.params if p.name == target)
+    assert p.fd_scale == pytest.approx(factor, rel=0.05) or p.fd_local == pytest.approx(factor, rel=0.05)
+
+
+def test_a_wrong_gradient_upstream_of_a_module_is_named_on_its_weights() -> None:
+    """A backward that doubles the gradient reaching layer 1's output: its module-local check agrees with the
+    doubled gradient, the loss-level probe blames the small weights below it, and the big weights the
+    screening passed are probed on the loss after all (all micro-batches), where layer 1's weight is x2."""
+    result = _run(_model(faulty=1))
+    named = _named(result)
+    assert result.status == "fail"
+    assert named.get("layers.1.weight") == ["grad_scaled"], result.table()
+    assert named.get("layers.1.bias") == ["grad_scaled"], result.table()
+    assert not {n for n in named if n.startswith(("layers.2.", "norms.2.", "head."))}, result.table()
+    w = next(p for p in result.params if p.name == "layers.1.weight")
+    assert w.fd_scale == pytest.approx(2.0, rel=0.05) and w.fd_local == pytest.approx(1.0, abs=0.05)
+    assert "(all micro-batches)" in (w.fd_probe or "") or w.fd_probe == "layers.1.weight"
+
+
+def test_a_big_weight_used_outside_its_module_is_judged_on_the_loss() -> None:
+    result = _run(_model(tied_by_hand=True))
+    assert result.status == "pass", result.table()
+    assert result.local["not_judged"].get("used outside its module's call") == 1
+    moved = {name for g in result.groups if g.depth == 0 for name in g.names}
+    assert "layers.0.weight" in moved and "layers.1.weight" not in moved
+    model = _model(tied_by_hand=True)
+    scale(2.0)(model, "layers.0.weight")
+    assert _named(_run(model)) == {"layers.0.weight": ["grad_scaled"]}
+
+
+def test_copies_over_the_share_go_to_the_probe_on_all_microbatches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight the screening could not judge whose copy would pass LATE_SHARE of the copy is probed after the
+    singles, on every micro-batch's loss along their sum, instead of being copied."""
+    monkeypatch.setattr(check_module, "LATE_SHARE", 0.05)
+    model = _model(tied_by_hand=True)
+    scale(2.0)(model, "layers.0.weight")
+    result = _run(model)
+    assert _named(result) == {"layers.0.weight": ["grad_scaled"]}, result.table()
+    assert "layers.0.weight" not in {n for g in result.groups if g.depth == 0 and "all micro" not in g.key
+                                     for n in g.names}  # fmt: skip
+    p = next(p for p in result.params if p.name == "layers.0.weight")
+    assert p.fd_probe is not None and "all micro-batches" in p.fd_probe or p.fd_probe == "layers.0.weight"
+
+
+def test_without_small_weights_every_weight_is_probed_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No weight small enough to carry the check of the gradients modules receive: the probe runs right after
+    the first micro-batch and moves every weight, as with module_fd=False."""
+    monkeypatch.setattr(check_module, "END_TO_END_MAX", 0)
+    result = _run(_model())
+    assert result.status == "pass", result.table()
+    assert result.cost["fd_first_params"] == len(result.params)
