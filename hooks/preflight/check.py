@@ -354,11 +354,6 @@ class Check:
         c = self.copy[i]
         return 0 if c is None else c.numel() * c.element_size()
 
-    def singles(self) -> None:
-        """The other micro-batches alone, each added into the copy (the sum of the singles, rounded once)."""
-        for k in range(1, len(self.batches)):
-            self.single(k)
-
     def single(self, k: int) -> None:
         """Micro-batch k alone, added into the copy. The second one's backward holds the module-local
         screening; where the probe on the first micro-batch's loss waits for it (`late`), the gradients that

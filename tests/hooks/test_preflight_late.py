@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import test_preflight_wild as wild_tests
+import test_preflight_zoo as zoo_tests
 import torch
 import torch.nn.functional as F
 from preflight_zoo import microbatch, mse, scale
@@ -152,3 +154,48 @@ def test_without_small_weights_every_weight_is_probed_first(monkeypatch: pytest.
     result = _run(_model())
     assert result.status == "pass", result.table()
     assert result.cost["fd_first_params"] == len(result.params)
+
+
+# -- the CPU populations on this path ---------------------------------------------------------------------------
+# Their models are small: with END_TO_END_MAX lowered to 64 elements, 786 of their 1,015 cases take this path
+# (the biases and norms of a few dozen elements stay in the loss-level probe, the weight matrices do not).
+LATE_MAX = 64
+
+
+@pytest.fixture
+def late(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check_module, "END_TO_END_MAX", LATE_MAX)
+
+
+@pytest.mark.parametrize("model_name", list(zoo_tests.MODELS))
+def test_the_zoo_passes_on_this_path(late: None, model_name: str) -> None:
+    zoo_tests.test_correct_models_pass(model_name)
+
+
+@pytest.mark.parametrize(
+    ("model_name", "bug_name"), zoo_tests.CASES, ids=[f"{m}-{b}" for m, b in zoo_tests.CASES]
+)
+def test_the_zoo_bugs_are_named_on_this_path(late: None, model_name: str, bug_name: str) -> None:
+    zoo_tests.test_injected_bug_is_named_on_its_parameter(model_name, bug_name)
+
+
+@pytest.mark.parametrize(
+    ("name", "seed"), wild_tests.CORRECT, ids=[f"{n}-{s}" for n, s in wild_tests.CORRECT]
+)
+def test_the_wild_population_passes_on_this_path(late: None, name: str, seed: int) -> None:
+    wild_tests.test_a_correct_model_passes(name, seed)
+
+
+@pytest.mark.parametrize(
+    ("name", "seed", "bug"), wild_tests.BUGGY, ids=[f"{n}-{s}-{b}" for n, s, b in wild_tests.BUGGY]
+)
+def test_the_wild_bugs_are_named_or_visibly_missed_on_this_path(
+    late: None, name: str, seed: int, bug: str
+) -> None:
+    wild_tests.test_a_bug_is_named_on_its_parameter_or_visibly_missed(name, seed, bug)
+
+
+def test_most_population_cases_take_this_path(late: None) -> None:
+    """(The populations above run here, not the early path: a GPT of the zoo moves only its small weights.)"""
+    result, _ = zoo_tests._run("gpt-tied", None)
+    assert 0 < result.cost["fd_first_params"] < len(result.params), result.table()
