@@ -123,6 +123,7 @@ class Check:
         # and moves these weights (`loss_level`)
         self.late = False
         self.fd_first: list[int] = []
+        self.fd_anchors: list[int] = []
         fp8 = fp8_tensors(model)
         self.rng = RngState([*fp8_state_pairs(model, fp8), *rng_states])
         self.fp8_known = {id(t) for t in fp8}
@@ -318,12 +319,14 @@ class Check:
         need = sum(self._copy_bytes(i) for i in now if i in unjudged)
         self.late = bool(small) and need <= LATE_SHARE * self.copy_bytes
 
-    def loss_level(self) -> tuple[list[int], list[int]]:
+    def loss_level(self) -> tuple[list[int], list[int], list[int]]:
         """After the screening: the weights the probe on the first micro-batch's loss moves (every weight with a
         gradient there that the screening did not judge `ok`, and every small one: the probe's check of the
-        gradient that reached each module's output, which the module-local one takes as given), and those it
+        gradient that reached each module's output, which the module-local one takes as given); those it
         leaves to the probe on all micro-batches' loss (`LossFD.probe_rest`, along the sum of the singles)
-        where keeping their copies would pass LATE_SHARE of the copy (a screening that judged few weights)."""
+        where keeping their copies would pass LATE_SHARE of the copy (a screening that judged few weights);
+        and its anchors (`LossFD.probe_first`): per group, the weight judged `ok` whose predicted change
+        |w| |G| is the largest whose copy still fits in LATE_SHARE."""
         now = self.loss_fd.now
         ok = {i for i, v in self.local_fd.verdicts.items() if v.verdict == "ok"}
         small = {i for i in now if self.results[i].numel <= END_TO_END_MAX}
@@ -336,7 +339,14 @@ class Check:
                 budget -= 0 if i in small else self._copy_bytes(i)
             else:
                 rest.append(i)
-        return first, rest
+        anchors: dict[str, int] = {}
+        change = {i: self.loss_fd.sizes[i] * self.loss_fd.gnorms[i] for i in now}
+        for i in sorted((i for i in now if i in ok and i not in small), key=lambda i: -change[i]):
+            group = self.results[i].group
+            if group not in anchors and self._copy_bytes(i) <= budget:
+                anchors[group] = i
+                budget -= self._copy_bytes(i)
+        return first, rest, list(anchors.values())
 
     def upstream(self) -> None:
         """After the probe on the first micro-batch's loss, where it ran after the screening: a weight it blames
@@ -347,7 +357,7 @@ class Check:
         ok = {i for i, v in self.local_fd.verdicts.items() if v.verdict == "ok"}
         if not self.loss_fd.blamed() & ok:
             return
-        moved = set(self.fd_first)
+        moved = set(self.fd_first) | set(self.fd_anchors)
         self.loss_fd.later += [i for i in self.loss_fd.now if i in ok and i not in moved]
 
     def _copy_bytes(self, i: int) -> int:
@@ -364,10 +374,10 @@ class Check:
         if probe is not None:
             self.local_fd.judge(probe, flats, screening=True)
         if k == 1 and self.late:
-            first, rest = self.loss_level()
-            self.loss_fd.keep(first)
+            first, rest, anchors = self.loss_level()
+            self.loss_fd.keep([*first, *anchors])
             self.loss_fd.later += rest
-            self.fd_first = first
+            self.fd_first, self.fd_anchors = first, anchors
         adds: list[int] = []
         for i in self.present[f"s{k}"]:
             f = cast(torch.Tensor, flats[i])

@@ -104,6 +104,7 @@ class LossFD:
         # wait for the accumulation verdicts (`apply_summed`)
         self.summed: set[int] = set()
         self.summed_blames: list[tuple[int, str, float | None]] = []
+        self.unreliable_splits = UNRELIABLE_SPLITS
         self.first_params = 0  # weights the probe on the first micro-batch's loss moved, and their elements
         self.first_elements = 0
 
@@ -247,28 +248,56 @@ class LossFD:
         self.held = dict(zip(held, copies(some(copy, held)), strict=True))
         self.held_bytes = sum(t.numel() * t.element_size() for t in self.held.values())
 
-    def probe_first(self, indexes: list[int] | None = None) -> None:
+    def probe_first(self, indexes: list[int] | None = None, anchors: Sequence[int] = ()) -> None:
         """The probes on the first micro-batch's loss, along its gradient: one combined probe of every group
         (each group moved at its own step, scaled to a comparable share of the predicted change), split into
         the groups and then bisected where an estimate deviates; one host transfer per round. `indexes`: only
         these weights, along the copies `keep` made (run after the module-local screening: the weights it
         judged are not moved, `Check.loss_level`); default every weight with a gradient there, along the copy
-        (run right after the first micro-batch)."""
+        (run right after the first micro-batch).
+
+        Weights of `indexes` with no verdict of their own module that end `inconclusive` (small weights alone
+        in a bf16 loss: no two steps agree) are probed again together with `anchors` (weights their module
+        judged `ok`, with copies kept too): a probe whose change the anchors carry checks itself, and bounds
+        each weight by its share, as the probe of every weight does where it runs first."""
         if self.first_moves is None:
             self.measure()
         moves = cast(Moves, self.first_moves)
         now = self.now
         if indexes is not None:
-            moves.restrict(indexes, self.held)
+            moves.restrict([*indexes, *anchors], self.held)
             now = [i for i in indexes if i in moves.nonzero_set]
         self.step_mult = moves.mult
         self.first_params = len(now)
         self.first_elements = sum(self.check.results[i].numel for i in now)
         try:
+            # (a group with no reliable estimate is not halved here where anchors can take its weights)
+            self.unreliable_splits = 0 if anchors else UNRELIABLE_SPLITS
             roots = self._probe(moves, now, [], "")
+            self.unreliable_splits = UNRELIABLE_SPLITS
+            local = self.check.local_fd.verdicts
+            verdicts = self.final_verdicts()
+            open_ = [i for i in now if verdicts.get(i) == "inconclusive" and i not in local]
+            anchored = [i for i in anchors if i in moves.nonzero_set]
+            if open_ and anchored:
+                moves.mult = self.step_mult = [1.0] * len(moves.mult)
+                self.first_params += len(anchored)
+                self.first_elements += sum(self.check.results[i].numel for i in anchored)
+                roots += self._probe(moves, [*open_, *anchored], [], " (anchored)")
         finally:
             self.held = {}
+            self.unreliable_splits = UNRELIABLE_SPLITS
         self._check_visible(roots)
+
+    def final_verdicts(self) -> dict[int, str]:
+        """Per parameter, the verdict of the last finished probe that holds it (as `apply` lays them)."""
+        by_name = {e.name: i for i, e in enumerate(self.check.entries)}
+        out: dict[int, str] = {}
+        for probe in self.probes:
+            if probe.verdict not in ("split", "not judged"):
+                for name in probe.names:
+                    out[by_name[name]] = probe.verdict
+        return out
 
     def blamed(self) -> set[int]:
         """The parameters a finished probe blames (lost, scaled, wrong)."""
@@ -545,7 +574,7 @@ class LossFD:
                 probe.reason = f"true / reported {r:.3g}: the reported gradient points the wrong way"
                 return self._split(node, est) if multi else self._set(node, "wrong")
             probe.reason = probe.reason if est.reliable else est.reason  # (reliable: why it was contradicted)
-            if multi and not node.bounded and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
+            if multi and not node.bounded and (len(node.parts) > 1 or node.halvings < self.unreliable_splits):
                 return self._split(node, est)
             return self._unsure(node)
         dev = abs(math.log(r))
@@ -569,7 +598,7 @@ class LossFD:
         elif not est.off:  # never a verdict from an estimate that did not check itself
             probe.reason = est.reason
             # smaller parts may be linear at a larger step (not needed where a group above bounds them)
-            if multi and not node.bounded and (len(node.parts) > 1 or node.halvings < UNRELIABLE_SPLITS):
+            if multi and not node.bounded and (len(node.parts) > 1 or node.halvings < self.unreliable_splits):
                 return self._split(node, est)
             return self._unsure(node)
         if multi:

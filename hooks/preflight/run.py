@@ -217,7 +217,7 @@ def _execute(check: Check) -> PreflightResult:
             check.single(k)
             lap("runs")
             if k == 1 and check.late:
-                check.loss_fd.probe_first(check.fd_first)
+                check.loss_fd.probe_first(check.fd_first, check.fd_anchors)
                 check.upstream()
                 lap("finite_differences")
         if check.finite_differences:

@@ -3,6 +3,7 @@
 # /tmp/mc19; Megatron-LM main as a source tree of megatron/core, e.g. /tmp/mlm). Run from the project root.
 #   bash tests/gpu/run_preflight_gpu.sh cases MEGATRON_DIR TAG [--fd-detail]   # every required case
 #   bash tests/gpu/run_preflight_gpu.sh bench MEGATRON_DIR TAG                 # benchmarks/gpu/preflight_cost.py
+#   bash tests/gpu/run_preflight_gpu.sh zoo MEGATRON_DIR TAG                   # cost, profile, zoo + bugs
 # Logs and JSON go to $OUT/TAG-*.{log,json}; each case's verdict line starts with VERDICT.
 set -u
 source "$(dirname "$0")/gpu_setup.sh" /tmp/mg
@@ -23,6 +24,22 @@ case "$what" in
       --json "$OUT/$tag-gpt.json" $GPT_CASES > "$OUT/$tag-gpt.log" 2>&1
     echo "gpt rc=$?"
     grep -h -e '^VERDICT' -e 'megatron-core' -e 'finite differences per module type' "$OUT/$tag-te.log" "$OUT/$tag-gpt.log"
+    ;;
+  zoo)
+    # the 541M GPT's cost first (ROUNDS interleaved rounds, passing and failing), then where a call's time goes,
+    # then the model zoo and the injected bugs
+    PYTHONPATH=$PP timeout ${COST_TIMEOUT:-150} python3 tests/gpu/preflight_zoo.py --cost "${ROUNDS:-10}" \
+      --json "$OUT/$tag-cost.json" gpt541m-untied-ddp-bf16 bug-541m-overwrite > "$OUT/$tag-cost.log" 2>&1
+    echo "cost rc=$?"
+    grep -h '^COST' "$OUT/$tag-cost.log" | cut -c1-420
+    PYTHONPATH=$PP timeout ${PROFILE_TIMEOUT:-90} python3 tests/gpu/preflight_profile.py \
+      gpt541m-untied-ddp-bf16 > "$OUT/$tag-profile.log" 2>&1
+    echo "profile rc=$?"
+    grep -h '^PROFILE module_fd' "$OUT/$tag-profile.log" | cut -c1-600
+    PYTHONPATH=$PP timeout ${ZOO_TIMEOUT:-200} python3 tests/gpu/preflight_zoo.py --json "$OUT/$tag-zoo.json" \
+      zoo bugs > "$OUT/$tag-zoo.log" 2>&1
+    echo "zoo rc=$?"
+    grep -h '^ZOO' "$OUT/$tag-zoo.log" | cut -c1-160
     ;;
   bench)
     PYTHONPATH=$PP timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/gpu/preflight_cost.py > "$OUT/$tag-bench.log" 2>&1

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import test_preflight_local as local_tests
 import test_preflight_wild as wild_tests
 import test_preflight_zoo as zoo_tests
 import torch
@@ -199,3 +200,16 @@ def test_most_population_cases_take_this_path(late: None) -> None:
     """(The populations above run here, not the early path: a GPT of the zoo moves only its small weights.)"""
     result, _ = zoo_tests._run("gpt-tied", None)
     assert 0 < result.cost["fd_first_params"] < len(result.params), result.table()
+
+
+@pytest.mark.parametrize("style", list(local_tests.BY_HAND))
+def test_weights_the_loss_cannot_judge_alone_are_probed_with_anchors(late: None, style: str) -> None:
+    """bf16, a fused implementation computing with its modules' weights: the two biases left to the loss (the
+    module-local check judges nothing else there) move the bf16 loss too little for two steps to agree; they are
+    probed again with a weight their module judged `ok` as an anchor, which bounds them as the probe of every
+    weight does, instead of leaving them inconclusive."""
+    torch.manual_seed(0)
+    result = local_tests._check(local_tests._FusedImpl(style).to(torch.bfloat16))
+    assert result.ok and not any(p.inconclusive for p in result.params), result.table()
+    anchored = [g for g in result.groups if g.key.endswith("(anchored)")]
+    assert anchored and anchored[0].verdict == "ok", result.table()
