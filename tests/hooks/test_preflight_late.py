@@ -13,6 +13,7 @@ import test_preflight_wild as wild_tests
 import test_preflight_zoo as zoo_tests
 import torch
 import torch.nn.functional as F
+from emulators import MegatronDDP, MegatronFSDP
 from preflight_zoo import microbatch, mse, scale
 from torch import nn
 
@@ -66,9 +67,15 @@ def _batches(n: int = 3, dtype: torch.dtype = torch.float32) -> list[tuple[torch
     ]
 
 
-def _run(model: nn.Module, dtype: torch.dtype = torch.float32) -> PreflightResult:
+def _run(model: nn.Module, dtype: torch.dtype = torch.float32, wrapper: str = "plain") -> PreflightResult:
     torch.manual_seed(0)
-    return preflight(model.to(dtype), microbatch(mse), _batches(dtype=dtype), loss_fn=mse)
+    model = model.to(dtype)
+    wrapped = {
+        "plain": lambda: model,
+        "ddp": lambda: MegatronDDP(model),
+        "fsdp": lambda: MegatronFSDP(model, "no_shard", unit_types=(), data_parallel_size=1),
+    }[wrapper]()
+    return preflight(wrapped, microbatch(mse), _batches(dtype=dtype), loss_fn=mse)
 
 
 def _named(result: PreflightResult) -> dict[str, list[str]]:
@@ -80,9 +87,19 @@ def _model(**kwargs: Any) -> Deep:  # noqa: ANN401
     return Deep(**kwargs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_correct_model_passes_with_the_big_weights_judged_on_their_module_only(dtype: torch.dtype) -> None:
-    result = _run(_model(), dtype)
+WRAPPERS = ["plain", "ddp", "fsdp"]
+# (the Megatron-FSDP emulator keeps an fp32 gradient buffer that a bf16 parameter's .grad cannot take)
+DTYPES_WRAPPERS = [(torch.float32, w) for w in WRAPPERS] + [
+    (torch.bfloat16, "plain"),
+    (torch.bfloat16, "ddp"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "wrapper"), DTYPES_WRAPPERS)
+def test_a_correct_model_passes_with_the_big_weights_judged_on_their_module_only(
+    dtype: torch.dtype, wrapper: str
+) -> None:
+    result = _run(_model(), dtype, wrapper)
     assert result.status == "pass", result.table()
     big = {p.name for p in result.params if p.numel > check_module.END_TO_END_MAX}
     assert big == {f"layers.{k}.weight" for k in range(3)}
@@ -99,10 +116,11 @@ def test_a_correct_model_passes_with_the_big_weights_judged_on_their_module_only
 
 @pytest.mark.parametrize(("target", "factor"), [("layers.1.weight", 2.0), ("layers.2.bias", 2.0),
                                                 ("norms.0.weight", 3.0), ("layers.0.weight", 0.5)])  # fmt: skip
-def test_a_scaled_weight_is_named_alone(target: str, factor: float) -> None:
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_scaled_weight_is_named_alone(target: str, factor: float, wrapper: str) -> None:
     model = _model()
     scale(factor)(model, target)
-    result = _run(model)
+    result = _run(model, wrapper=wrapper)
     assert _named(result) == {target: ["grad_scaled"]}, result.table()
     p = next(p for p in result.params if p.name == target)
     assert p.fd_scale == pytest.approx(factor, rel=0.05) or p.fd_local == pytest.approx(factor, rel=0.05)
