@@ -27,8 +27,8 @@ What the comparison rests on, and how each is checked before a verdict:
 dy itself is what autograd computed: a wrong input gradient upstream moves every weight below it together,
 which the loss-level estimate sees.
 
-Two uses (`run.py`): a screening of the probed modules holding a weight the loss bounds loosely (its weights
-moved together, each along the first micro-batch's reported gradient at a step that gives it a comparable
+Two uses (`run.py`): a screening of the probed modules holding a weight with a gradient (where the loss-level
+probe ran first: one it bounds loosely) (its weights moved together, each along the first micro-batch's reported gradient at a step that gives it a comparable
 share of the module's change; a call whose one moved weight is alone is rerun once, against the forward's own
 output) on the second micro-batch's own backward; and, during the sequence, each weight on its own: those of a
 set whose screening deviates and those it bounds loosely, along the sum of the singles, in the last single's

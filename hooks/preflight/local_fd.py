@@ -1,8 +1,7 @@
 """Finite differences on a module's own output (`local.py` for the reruns inside a backward): the weights of
-Linear-like modules that the loss bounds loosely are judged on their module's output, rerun inside the
-backward of the second micro-batch's single (screening: a module's weights moved together) and of the sequence
-(refinement: each weight alone where a set deviated or bounded a weight loosely; zero gradients along random
-directions). No run is added. `LocalFD` plans the moves, judges the reruns' sums and lays its verdicts over
+Linear-like modules are judged on their module's output, rerun inside the backward of the second micro-batch's
+single (screening: a module's weights moved together) and of the sequence (refinement: each weight alone where
+a set deviated or bounded a weight loosely; zero gradients along random directions). No run is added. `LocalFD` plans the moves, judges the reruns' sums and lays its verdicts over
 the loss-level ones (`loss_fd.py`); the runs are its `Check`'s (`check.py`)."""
 
 from __future__ import annotations
@@ -144,9 +143,9 @@ class LocalFD:
     def screening(self) -> local.LocalProbe | None:
         """Every probed module's weights moved together along the first micro-batch's gradient (the copy, still
         G(first) here), each weight at a step that gives it a comparable share of its module's change,
-        measured on the second micro-batch's backward. Weights the loss-level probe already bounds within a
-        factor 1 +- BOUND_ENOUGH (a large share of its change: an embedding, an output layer) are left where
-        they are: the module reruns cost about a forward where they are all needed."""
+        measured on the second micro-batch's backward. Where the loss-level probe ran first, weights it already
+        bounds within a factor 1 +- BOUND_ENOUGH (a large share of its change: an embedding, an output layer)
+        are left where they are: the module reruns cost about a forward where they are all needed."""
         if not (self.on and self.check.loss_fd.gnorms):
             return None
         by_owner: dict[int, list[int]] = {}

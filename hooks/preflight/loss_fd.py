@@ -99,7 +99,6 @@ class LossFD:
         self.first_moves: Moves | None = None
         # copies of G(first) for a probe on the first micro-batch's loss that runs after the next single
         self.held: dict[int, torch.Tensor] = {}
-        self.held_bytes = 0
         # probes (indexes into `probes`) along the sum of the singles, on every micro-batch's loss: their blames
         # wait for the accumulation verdicts (`apply_summed`)
         self.summed: set[int] = set()
@@ -246,7 +245,6 @@ class LossFD:
         copy = self.check.copy
         held = [i for i in indexes if copy[i] is not None]
         self.held = dict(zip(held, copies(some(copy, held)), strict=True))
-        self.held_bytes = sum(t.numel() * t.element_size() for t in self.held.values())
 
     def probe_first(self, indexes: list[int] | None = None, anchors: Sequence[int] = ()) -> None:
         """The probes on the first micro-batch's loss, along its gradient: one combined probe of every group

@@ -34,11 +34,17 @@ are probed along a random direction in their own subspace (bisected the same way
 bisection split.
 
 Module-local finite differences (`local_fd.py`, `local.py`; module_fd=True): the weights of Linear-like
-modules that the loss bounds loosely are judged on their own module's output, rerun inside the backward of the
-second micro-batch's single (screening, weights of a module moved together) and of the sequence (each weight
-alone where a set deviated or bounded a weight loosely, in the last single's micro-batch; zero gradients along
-random directions, in every micro-batch). No pass is added: 2 module reruns per screened call (1 where its
-only moved weight is one weight), 2 per re-judged weight, 2 per zero-gradient weight and micro-batch.
+modules are judged on their own module's output, rerun inside the backward of the second micro-batch's single
+(screening, weights of a module moved together) and of the sequence (each weight alone where a set deviated or
+bounded a weight loosely, in the last single's micro-batch; zero gradients along random directions, in every
+micro-batch). No pass is added: 2 module reruns per screened call (1 where its only moved weight is one
+weight), 2 per re-judged weight, 2 per zero-gradient weight and micro-batch. Where they run, the probe on the
+first micro-batch's loss waits for the screening (`Check.plan_loss_level`) and moves only the weights it did
+not judge `ok` and the small ones (biases, norms: through them the loss checks the gradient each module's
+output received), along copies of G(first) kept from before the second single; weights that leaves
+inconclusive without a module-local verdict are probed again with anchors (weights judged `ok`); where the
+weights the screening cannot judge would need more than a quarter of the copy, or there is no small weight,
+the probe runs first and moves every weight (the screening then skips weights it bounds within x1.25).
 
 Memory: one copy of the gradients (G(first), then the sum of the singles, minus G(sequence) in place) rounded
 to the narrowest of bf16 and fp32 whose unit round-off is at most 1/8 of the linearity tolerance; the subsets
