@@ -138,7 +138,7 @@ def test_a_wrong_gradient_upstream_of_a_module_is_named_on_its_weights() -> None
     assert not {n for n in named if n.startswith(("layers.2.", "norms.2.", "head."))}, result.table()
     w = next(p for p in result.params if p.name == "layers.1.weight")
     assert w.fd_scale == pytest.approx(2.0, rel=0.05) and w.fd_local == pytest.approx(1.0, abs=0.05)
-    assert "(all micro-batches)" in (w.fd_probe or "") or w.fd_probe == "layers.1.weight"
+    assert any("(all micro-batches)" in g.key and "layers.1.weight" in g.names for g in result.groups)
 
 
 def test_a_big_weight_used_outside_its_module_is_judged_on_the_loss() -> None:
@@ -162,8 +162,7 @@ def test_copies_over_the_share_go_to_the_probe_on_all_microbatches(monkeypatch: 
     assert _named(result) == {"layers.0.weight": ["grad_scaled"]}, result.table()
     assert "layers.0.weight" not in {n for g in result.groups if g.depth == 0 and "all micro" not in g.key
                                      for n in g.names}  # fmt: skip
-    p = next(p for p in result.params if p.name == "layers.0.weight")
-    assert p.fd_probe is not None and "all micro-batches" in p.fd_probe or p.fd_probe == "layers.0.weight"
+    assert any("(all micro-batches)" in g.key and "layers.0.weight" in g.names for g in result.groups)
 
 
 def test_without_small_weights_every_weight_is_probed_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,3 +230,37 @@ def test_weights_the_loss_cannot_judge_alone_are_probed_with_anchors(late: None,
     assert result.ok and not any(p.inconclusive for p in result.params), result.table()
     anchored = [g for g in result.groups if g.key.endswith("(anchored)")]
     assert anchored and anchored[0].verdict == "ok", result.table()
+
+
+@pytest.mark.parametrize(("local_verdict", "reliable", "expected"), [
+    (None, False, "scaled"),  # no module-local verdict: consistently off at every step is a blame
+    ("ok", False, "inconclusive"),  # its module judged it ok: only two agreeing steps may overrule that
+    ("ok", True, "scaled"),
+    ("scaled", False, "scaled"),
+])  # fmt: skip
+def test_a_weight_its_module_judged_ok_is_blamed_only_on_a_self_checking_estimate(
+    local_verdict: str | None, reliable: bool, expected: str
+) -> None:
+    """`LossFD._finish` on one parameter whose loss changes 0.57 x as much as predicted at every step: with
+    steps agreeing (reliable) or only consistently off (`off`)."""
+    from maingrad.hooks.preflight.check import Check
+    from maingrad.hooks.preflight.local import LocalVerdict
+    from maingrad.hooks.preflight.measure import Estimate
+    from maingrad.hooks.preflight.wrappers import choose
+
+    model = _model()
+    check = Check(model, microbatch(mse), _batches(), loss_fn=mse, adapter=choose(model, "plain"), params=None,
+                  finite_differences=True, fd_groups="mechanism", fd_step=None, fd_rtol=None, rtol=None,
+                  rng_states=())  # fmt: skip
+    i = next(k for k, e in enumerate(check.entries) if e.name == "layers.2.bias")
+    if local_verdict is not None:
+        check.local_fd.verdicts[i] = LocalVerdict((i,), 1.0, 1.0, 0.0, 1.0, 0.01, local_verdict)
+    node = check.loss_fd._node("layers.2.bias", [i], False, 0)
+    steps = [2.0**-8, 2.0**-9, 2.0**-10]
+    node.levels = {s: (0.57 * s, s) for s in steps}  # C = 0.57 P at every step, far above the noise
+    node.probe.noise = 1e-9
+    check.loss_fd.loss_level = 1.0
+    est = Estimate(ratio=0.57, error=0.01 if reliable else 0.15, step=steps[-1], pair=(steps[-2], steps[-1]),
+                   reliable=reliable, off=not reliable)  # fmt: skip
+    assert check.loss_fd._finish(node, est, confirmed=True) == []
+    assert node.probe.verdict == expected, node.probe.reason
