@@ -663,28 +663,11 @@ class LossFD:
     def _unsure(self, node: _Node) -> list[tuple[_Node, float]]:
         """No estimate of its own that checks itself: `inconclusive`, unless a group above it passed within a
         single parameter's tolerance, whose bound on each weight (fd_resolution, from its shares) then stands
-        as the verdict: `ok` within that bound (a loose one is listed as weakly checked), not a claim more.
-        A parameter alone whose predicted change stayed within the loss's noise at every step, the largest
-        allowed included, is as one whose share of a passing group is below its band: the loss cannot judge
-        it, `ok` with no bound (fd_resolution inf: listed as weakly checked), not `inconclusive`."""
+        as the verdict: `ok` within that bound (a loose one is listed as weakly checked), not a claim more."""
         if node.bounded:
             node.probe.reason = (
                 f"bounded by a group above it ({node.probe.reason})" if node.probe.reason else ""
             )
-            return self._set(node, "ok")
-        levels = node.triples()
-        noise = max(node.probe.noise or 0.0, self._floor())
-        if (
-            len(node.indexes) == 1
-            and levels
-            and max(s for s, _, _ in levels) >= STEP_MAX
-            and all(abs(p) <= noise for _, _, p in levels)
-        ):
-            node.probe.reason = (
-                f"its predicted change of the loss stays within the loss's noise ({noise:.3g}) up to the largest "
-                f"step: the loss cannot judge it ({node.probe.reason})"
-            )
-            self.resolution[node.indexes[0]] = math.inf
             return self._set(node, "ok")
         return self._set(node, "inconclusive")
 
