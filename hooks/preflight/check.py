@@ -325,8 +325,8 @@ class Check:
         gradient that reached each module's output, which the module-local one takes as given); those it
         leaves to the probe on all micro-batches' loss (`LossFD.probe_rest`, along the sum of the singles)
         where keeping their copies would pass LATE_SHARE of the copy (a screening that judged few weights);
-        and its anchors (`LossFD.probe_first`): per group, the weight judged `ok` whose predicted change
-        |w| |G| is the largest whose copy still fits in LATE_SHARE."""
+        and its anchors (`LossFD.probe_first`): per group of those weights, the weight judged `ok` whose
+        predicted change |w| |G| is the largest whose copy still fits in LATE_SHARE."""
         now = self.loss_fd.now
         ok = {i for i, v in self.local_fd.verdicts.items() if v.verdict == "ok"}
         small = {i for i in now if self.results[i].numel <= END_TO_END_MAX}
@@ -341,9 +341,10 @@ class Check:
                 rest.append(i)
         anchors: dict[str, int] = {}
         change = {i: self.loss_fd.sizes[i] * self.loss_fd.gnorms[i] for i in now}
+        groups = {self.results[i].group for i in first}
         for i in sorted((i for i in now if i in ok and i not in small), key=lambda i: -change[i]):
             group = self.results[i].group
-            if group not in anchors and self._copy_bytes(i) <= budget:
+            if group in groups and group not in anchors and self._copy_bytes(i) <= budget:
                 anchors[group] = i
                 budget -= self._copy_bytes(i)
         return first, rest, list(anchors.values())
