@@ -358,7 +358,7 @@ class Check:
         ok = {i for i, v in self.local_fd.verdicts.items() if v.verdict == "ok"}
         if not self.loss_fd.blamed() & ok:
             return
-        moved = set(self.fd_first) | set(self.fd_anchors)
+        moved = set(self.fd_first) | set(self.loss_fd.anchored)
         self.loss_fd.later += [i for i in self.loss_fd.now if i in ok and i not in moved]
 
     def _copy_bytes(self, i: int) -> int:

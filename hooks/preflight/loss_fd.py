@@ -104,6 +104,7 @@ class LossFD:
         self.summed: set[int] = set()
         self.summed_blames: list[tuple[int, str, float | None]] = []
         self.unreliable_splits = UNRELIABLE_SPLITS
+        self.anchored: list[int] = []  # the anchors a probe on the first micro-batch's loss moved
         self.first_params = 0  # weights the probe on the first micro-batch's loss moved, and their elements
         self.first_elements = 0
 
@@ -278,6 +279,7 @@ class LossFD:
             open_ = [i for i in now if verdicts.get(i) == "inconclusive" and i not in local]
             anchored = [i for i in anchors if i in moves.nonzero_set]
             if open_ and anchored:
+                self.anchored = anchored
                 moves.mult = self.step_mult = [1.0] * len(moves.mult)
                 self.first_params += len(anchored)
                 self.first_elements += sum(self.check.results[i].numel for i in anchored)
