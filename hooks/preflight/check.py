@@ -314,8 +314,8 @@ class Check:
         if not (self.finite_differences and self.local_fd.on):
             return
         now = self.loss_fd.now
-        small = [i for i in now if self.results[i].numel <= END_TO_END_MAX]
-        unjudged = set(self.local_fd.unjudgeable()) | set(small)
+        small = self._small(now)
+        unjudged = set(self.local_fd.unjudgeable()) | small
         need = sum(self._copy_bytes(i) for i in now if i in unjudged)
         self.late = bool(small) and need <= LATE_SHARE * self.copy_bytes
 
@@ -328,8 +328,8 @@ class Check:
         and its anchors (`LossFD.probe_first`): per group of those weights, the weight judged `ok` whose
         predicted change |w| |G| is the largest whose copy still fits in LATE_SHARE."""
         now = self.loss_fd.now
-        ok = {i for i, v in self.local_fd.verdicts.items() if v.verdict == "ok"}
-        small = {i for i in now if self.results[i].numel <= END_TO_END_MAX}
+        ok = self.local_fd.judged_ok()
+        small = self._small(now)
         wanted = [i for i in now if i not in ok or i in small]
         budget = LATE_SHARE * self.copy_bytes - sum(self._copy_bytes(i) for i in wanted if i in small)
         first, rest = [], []
@@ -355,11 +355,15 @@ class Check:
         backward upstream, a loss scaled in the backward only), and so may every weight the module-local check
         judged: those it did not move go to the probe on all micro-batches' loss (`LossFD.probe_rest`), which
         names each of them."""
-        ok = {i for i, v in self.local_fd.verdicts.items() if v.verdict == "ok"}
+        ok = self.local_fd.judged_ok()
         if not self.loss_fd.blamed() & ok:
             return
         moved = set(self.fd_first) | set(self.loss_fd.anchored)
         self.loss_fd.later += [i for i in self.loss_fd.now if i in ok and i not in moved]
+
+    def _small(self, indexes: list[int]) -> set[int]:
+        """The weights of `indexes` the loss-level probe always moves (END_TO_END_MAX)."""
+        return {i for i in indexes if self.results[i].numel <= END_TO_END_MAX}
 
     def _copy_bytes(self, i: int) -> int:
         c = self.copy[i]

@@ -28,13 +28,13 @@ dy itself is what autograd computed: a wrong input gradient upstream moves every
 which the loss-level estimate sees.
 
 Two uses (`run.py`): a screening of the probed modules holding a weight with a gradient (where the loss-level
-probe ran first: one it bounds loosely) (its weights moved together, each along the first micro-batch's reported gradient at a step that gives it a comparable
-share of the module's change; a call whose one moved weight is alone is rerun once, against the forward's own
-output) on the second micro-batch's own backward; and, during the sequence, each weight on its own: those of a
-set whose screening deviates and those it bounds loosely, along the sum of the singles, in the last single's
-micro-batch against that single's reported gradient; and weights whose reported gradient is zero on every
-micro-batch, along a random direction in every micro-batch (the module's output must not move, else the
-gradient was lost).
+probe ran first: one it bounds loosely), its weights moved together, each along the first micro-batch's
+reported gradient at a step that gives it a comparable share of the module's change (a call whose one moved
+weight is alone is rerun once, against the forward's own output), on the second micro-batch's own backward;
+and, during the sequence, each weight on its own: those of a set whose screening deviates and those it bounds
+loosely, along the sum of the singles, in the last single's micro-batch against that single's reported
+gradient; and weights whose reported gradient is zero on every micro-batch, along a random direction in every
+micro-batch (the module's output must not move, else the gradient was lost).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Finite differences on a module's own output (`local.py` for the reruns inside a backward): the weights of
 Linear-like modules are judged on their module's output, rerun inside the backward of the second micro-batch's
 single (screening: a module's weights moved together) and of the sequence (refinement: each weight alone where
-a set deviated or bounded a weight loosely; zero gradients along random directions). No run is added. `LocalFD` plans the moves, judges the reruns' sums and lays its verdicts over
-the loss-level ones (`loss_fd.py`); the runs are its `Check`'s (`check.py`)."""
+a set deviated or bounded a weight loosely; zero gradients along random directions). No run is added.
+`LocalFD` plans the moves, judges the reruns' sums and lays its verdicts over the loss-level ones
+(`loss_fd.py`); the runs are its `Check`'s (`check.py`)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,10 @@ class LocalFD:
         ]
         deferred = set(self.deferred)
         return [i for i in zero if i not in deferred]
+
+    def judged_ok(self) -> set[int]:
+        """The weights a module-local verdict judged `ok`."""
+        return {i for i, v in self.verdicts.items() if v.verdict == "ok"}
 
     def unjudgeable(self) -> list[int]:
         """The weights the screening cannot judge whatever it finds: no tensor of a module it reruns, a module

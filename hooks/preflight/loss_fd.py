@@ -77,6 +77,7 @@ class LossFD:
 
     def __init__(self, check: Check) -> None:
         self.check = check
+        self.index = {e.name: i for i, e in enumerate(check.entries)}  # a probe names its parameters
         self.evaluations = 0
         self.rounds = 0
         self.probes: list[Probe] = []
@@ -291,19 +292,17 @@ class LossFD:
 
     def final_verdicts(self) -> dict[int, str]:
         """Per parameter, the verdict of the last finished probe that holds it (as `apply` lays them)."""
-        by_name = {e.name: i for i, e in enumerate(self.check.entries)}
         out: dict[int, str] = {}
         for probe in self.probes:
             if probe.verdict not in ("split", "not judged"):
                 for name in probe.names:
-                    out[by_name[name]] = probe.verdict
+                    out[self.index[name]] = probe.verdict
         return out
 
     def blamed(self) -> set[int]:
         """The parameters a finished probe blames (lost, scaled, wrong)."""
-        by_name = {e.name: i for i, e in enumerate(self.check.entries)}
         return {
-            by_name[name]
+            self.index[name]
             for probe in self.probes
             if probe.verdict in ("lost", "scaled", "wrong")
             for name in probe.names
@@ -715,19 +714,18 @@ class LossFD:
 
     def apply(self) -> None:
         """Each parameter takes the verdict of the deepest finished probe that holds it."""
-        by_name = {e.name: i for i, e in enumerate(self.check.entries)}
         kind = self.check.adapter.kind
         for probe in self.probes:  # created parents first, so the deepest probe is the last to write
             if probe.verdict in ("split", "not judged"):
                 continue
             for name in probe.names:
-                r = self.check.results[by_name[name]]
+                r = self.check.results[self.index[name]]
                 r.fd_probe = probe.key if len(probe.names) > 1 else name
                 r.fd_scale = probe.scale
                 r.fd_error = probe.error
                 r.fd_step = probe.step
                 r.unused = probe.verdict == "unused"
-                r.fd_resolution = self.resolution.get(by_name[name]) if probe.verdict == "ok" else None
+                r.fd_resolution = self.resolution.get(self.index[name]) if probe.verdict == "ok" else None
                 r.inconclusive = probe.verdict == "inconclusive"
                 if r.inconclusive:
                     r.notes = [f"finite differences: {probe.reason}"]
@@ -736,9 +734,11 @@ class LossFD:
             if probe.verdict in ("lost", "scaled", "wrong"):
                 for name in probe.names:
                     if k in self.summed:
-                        self.summed_blames.append((by_name[name], probe.verdict, probe.scale))
+                        self.summed_blames.append((self.index[name], probe.verdict, probe.scale))
                     else:
-                        judge.fd_verdict(self.check.results[by_name[name]], probe.verdict, probe.scale, kind)
+                        judge.fd_verdict(
+                            self.check.results[self.index[name]], probe.verdict, probe.scale, kind
+                        )
 
     def apply_summed(self) -> None:
         """The blames of the probes along the sum of the singles, after the accumulation verdicts: where those
