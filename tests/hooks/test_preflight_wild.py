@@ -1,13 +1,14 @@
 """maingrad.hooks.preflight on the untuned population of `preflight_wild.py` (37 architectures, fp32 and
-bf16, 3 or 10 seeds each, 4 to 8 bug kinds on a parameter drawn at random): a correct model passes (a
-stateful forward: or is inconclusive on that account alone); a bug is named on its parameter and nowhere
-else, with the anomaly its kind must get, or its miss is visible (the parameter is inconclusive, or its
-`fd_resolution` admits the factor). Never a false alarm, a wrong blame or a silent miss."""
+bf16, 3 or 10 seeds each, 4 to 8 bug kinds on a parameter drawn at random; the same again with the held-out
+seeds): a correct model passes (a stateful forward: or is inconclusive on that account alone); a bug is named
+on its parameter and nowhere else, with the anomaly its kind must get, or its miss is visible (the parameter
+is inconclusive, or its `fd_resolution` admits the factor). Never a false alarm, a wrong blame or a silent
+miss."""
 
 from __future__ import annotations
 
 import pytest
-from preflight_wild import BUGS, BUGS_OF, CASES, SEEDS, build
+from preflight_wild import BUGS, BUGS_OF, CASES, HELD_OUT_SEEDS, SEEDS, build
 from preflight_zoo import microbatch
 
 from maingrad.hooks.preflight.run import preflight
@@ -19,9 +20,20 @@ BUGGY = [
     for seed in SEEDS[case.batch]
     for bug in BUGS_OF[case.batch]
 ]
+HELD_OUT_CORRECT = [(name, seed) for name, case in CASES.items() for seed in HELD_OUT_SEEDS[case.batch]]
+HELD_OUT_BUGGY = [
+    (name, seed, bug)
+    for name, case in CASES.items()
+    for seed in HELD_OUT_SEEDS[case.batch]
+    for bug in BUGS_OF[case.batch]
+]
 
 
-@pytest.mark.parametrize(("name", "seed"), CORRECT, ids=[f"{n}-{s}" for n, s in CORRECT])
+@pytest.mark.parametrize(
+    ("name", "seed"),
+    CORRECT + HELD_OUT_CORRECT,
+    ids=[f"{n}-{s}" for n, s in CORRECT] + [f"held-out-{n}-{s}" for n, s in HELD_OUT_CORRECT],
+)
 def test_a_correct_model_passes(name: str, seed: int) -> None:
     case = CASES[name]
     model, _ = build(case, seed, None)
@@ -33,7 +45,11 @@ def test_a_correct_model_passes(name: str, seed: int) -> None:
     assert result.status == "pass", result.table()
 
 
-@pytest.mark.parametrize(("name", "seed", "bug"), BUGGY, ids=[f"{n}-{s}-{b}" for n, s, b in BUGGY])
+@pytest.mark.parametrize(
+    ("name", "seed", "bug"),
+    BUGGY + HELD_OUT_BUGGY,
+    ids=[f"{n}-{s}-{b}" for n, s, b in BUGGY] + [f"held-out-{n}-{s}-{b}" for n, s, b in HELD_OUT_BUGGY],
+)
 def test_a_bug_is_named_on_its_parameter_or_visibly_missed(name: str, seed: int, bug: str) -> None:
     case = CASES[name]
     model, target = build(case, seed, bug)
