@@ -30,6 +30,7 @@ from maingrad.hooks.preflight.measure import (
     finest,
     foreach_copy_,
     judge_levels,
+    refuting,
     some,
     unit_roundoff,
 )
@@ -42,6 +43,17 @@ if TYPE_CHECKING:
 NOISE_SHARE = 4  # the first pair's smaller step: noise at most E_MAX / NOISE_SHARE of the predicted change
 SMALL_MOVE = 1 << 16  # weights up to this many elements move and are predicted with multi-tensor launches
 UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
+
+
+def unused_bound(probe: Probe) -> str:
+    """What `unused` rests on: the largest loss change seen and the largest move, so that a parameter whose
+    whole effect is below the loss's noise (a zeroed gradient of a weight that barely matters) reads as that."""
+    top = max(s for s, _, _ in probe.levels)
+    moved = max(abs(c) for _, c, _ in probe.levels)
+    return (
+        f"unused: the loss moved by at most {moved:.3g} (its noise {probe.noise or 0.0:.3g}) with these weights "
+        f"moved by up to {top:g} of their norm; an effect below that is not seen"
+    )
 
 
 class _Node:
@@ -61,6 +73,7 @@ class _Node:
         # an ancestor's reliable estimate is within a single parameter's tolerance: each weight here is bounded
         # by it (`resolution`), so where this probe's own estimate does not check itself that bound stands
         self.bounded = False
+        self.refuting = False  # a step that could only refute its blame was requested (`measure.refuting`)
 
     @property
     def zero(self) -> bool:
@@ -603,17 +616,26 @@ class LossFD:
         if multi:
             return self._split(node, est)
         if est.reliable and not confirmed:  # a blame: confirmed at the smallest steps the noise allows
-            levels = node.triples()
-            noise = node.probe.noise or 0.0
-            smaller = finer(levels, noise, self._floor())
-            if smaller is not None:
-                return [(node, smaller)]
-            fine = finest(levels, noise, self._floor())
-            return self._finish(node, fine if fine is not None else est, confirmed=True)
+            return self._confirm(node, est)
         if not self._may_blame(node, est):
             return self._unsure(node)
         scale = 1 / r
         return self._set(node, "scaled" if 0 < scale <= 64 else "wrong")
+
+    def _confirm(self, node: _Node, est: Estimate) -> list[tuple[_Node, float]]:
+        """A parameter's blame: the next smaller step the noise allows (`finer`), else once a step where only
+        the blame's own predicted change stands above the noise (`refuting`); then the verdict on the estimate
+        nearest the point (`finest`)."""
+        levels = node.triples()
+        noise = node.probe.noise or 0.0
+        smaller = finer(levels, noise, self._floor())
+        if smaller is None and not node.refuting:
+            smaller = refuting(levels, est, noise, self._floor())
+            node.refuting = smaller is not None
+        if smaller is not None:
+            return [(node, smaller)]
+        fine = finest(levels, noise, self._floor())
+        return self._finish(node, fine if fine is not None else est, confirmed=True)
 
     def _may_blame(self, node: _Node, est: Estimate) -> bool:
         """Whether the estimate may blame the probe's one parameter: no smaller step contradicts it
@@ -729,6 +751,8 @@ class LossFD:
                 r.inconclusive = probe.verdict == "inconclusive"
                 if r.inconclusive:
                     r.notes = [f"finite differences: {probe.reason}"]
+                elif r.unused and probe.levels:
+                    r.notes = [unused_bound(probe)]
         self.summed_blames = []
         for k, probe in enumerate(self.probes):
             if probe.verdict in ("lost", "scaled", "wrong"):

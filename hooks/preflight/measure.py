@@ -367,6 +367,9 @@ E_MAX = 0.05  # a relative error bar at most this is a reliable estimate
 OFF = 0.2  # "consistently off": every step's ratio beyond 1 +- OFF (after its noise), on the same side
 OFF_SPREAD = 4.0  # "consistently off": the ratios at every step within this factor of each other
 Z_MOVE = 4.0  # a loss change of more than Z_MOVE x the noise "moves"
+REFUTE = (
+    8.0  # a blame's predicted change at the step that could refute it, in units of the noise (`refuting`)
+)
 
 
 @dataclass
@@ -432,6 +435,27 @@ def finer(levels: Sequence[tuple[float, float, float]], noise: float, floor: flo
     if step / 2 < STEP_MIN or max(noise, floor) > (E_MAX / 4) * abs(predicted) / 2:
         return None
     return step / 2
+
+
+def refuting(
+    levels: Sequence[tuple[float, float, float]], est: Estimate, noise: float, floor: float = 0.0
+) -> float | None:
+    """A step that could refute a blame where `finer` has none: half the smaller step of the estimate's pair,
+    where the reported gradient's predicted change is within the noise but the estimate's own, r x P, is still
+    REFUTE x the noise (a reported gradient far smaller than the loss's change). A loss that changes in jumps
+    (a router's top-k choice crossing a tie, token after token) can grow in proportion over two steps by
+    chance; a line through zero it is not, and there `contradicted` says so. None where a level below the pair
+    was measured already, or where r x P there would be within the noise."""
+    if est.ratio is None or est.pair is None or not est.reliable or len(levels) >= CONFIRM_LEVELS:
+        return None
+    small = min(est.pair)
+    if any(s < small for s, _, _ in levels):
+        return None
+    p = next((p for s, _, p in levels if s == small), 0.0)
+    step = small / 2
+    if step < STEP_MIN or abs(est.ratio * p) / 2 < REFUTE * max(noise, floor):
+        return None
+    return step
 
 
 def contradicted(

@@ -274,6 +274,10 @@ class PreflightResult:
                 f"  {'ok':<30} {count:>4}  ({len(good)} module types)"
                 + (f", {unused} unused" if unused else "")
             )
+            bounded = [p for p in self.params if p.unused and p.notes]
+            if bounded:
+                names = ", ".join(p.name for p in bounded[:3]) + (", ..." if len(bounded) > 3 else "")
+                lines.append(f"      {names}: {bounded[0].notes[0]}")
         if self.local.get("on"):
             judged = self.local.get("judged", 0)
             verdicts = ", ".join(f"{n} {v}" for v, n in sorted(self.local.get("verdicts", {}).items()))

@@ -1,6 +1,6 @@
 """A second CPU population for maingrad.hooks.preflight, written after `preflight_zoo.py` and never tuned to:
-37 architectures its author had not run preflight on, fp32 and bf16, each correct and with bugs on a parameter
-drawn at random from those with a gradient in float64 (batches A-D below).
+52 architectures its author had not run preflight on, fp32 and bf16, each correct and with bugs on a parameter
+drawn at random from those with a gradient in float64 (batches A-E below).
 
 Each batch was run once before anything was changed for it; what it found was fixed and the batch kept:
 - A (13: TransformerEncoder/MultiheadAttention, LSTM, GRU, conv + BatchNorm, GQA with rotary embeddings and
@@ -19,6 +19,15 @@ Each batch was run once before anything was changed for it; what it found was fi
   difference with no pattern where buffers moved is inconclusive). Otherwise 27 of 27 correct models passed
   and 179 of 216 bugs were named exactly, 2 on their parameter with another anomaly (an overwritten scalar:
   its singles are parallel, so which were kept cannot be told), the rest missed visibly.
+- E (15, the shapes of Megatron-style code as forks write them: a norm and a linear in one module, biases
+  returned to the caller, an output layer computing with the word embeddings passed in, zero-centred RMSNorm,
+  a fused gate-and-up projection, grouped 3-D expert weights behind a top-2 router with capacity and a gated
+  shared expert, low-rank latent attention, a Mamba-style selective scan, BERT with an MLM head and a binary
+  head, QK layernorm, multi-token prediction, activation recompute (reentrant and not), a transposed linear;
+  fp32 and bf16), 6 seeds, all run once before any change: 90 of 90 correct models passed; of 810 bugs one
+  wrong blame (a bf16 router whose loss jumps as top-k choices flip read x13.5 at two steps: `refuting` since),
+  and zeroed gradients on two weights whose whole effect stays within the loss's noise read `unused`
+  (`KNOWN_MISSES`).
 
 `test_preflight_wild.py` holds every case to: a correct model passes (a stateful forward: or is inconclusive
 on that account alone); a bug is named on its parameter and nowhere else, or its miss is visible (the
@@ -541,6 +550,370 @@ class Spectral(nn.Module):
         return self.b(F.silu(self.a(x)))
 
 
+# -- batch E: the shapes of Megatron-style code (written as forks and ports write them, not with TE) -------------
+class LNLinear(nn.Module):
+    """A norm and a linear in one module (TE's LayerNormLinear as a fork writes it): its parameters multiply."""
+
+    def __init__(self, din: int, dout: int) -> None:
+        super().__init__()
+        self.layer_norm_weight = nn.Parameter(torch.ones(din))
+        self.layer_norm_bias = nn.Parameter(torch.zeros(din))
+        self.weight = nn.Parameter(torch.randn(dout, din) / math.sqrt(din))
+        self.bias = nn.Parameter(torch.randn(dout) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias)
+        return F.linear(h, self.weight, self.bias)
+
+
+class RowLinear(nn.Module):
+    """`skip_bias_add`: the bias is returned to the caller, which adds it (fused bias-dropout-add)."""
+
+    def __init__(self, din: int, dout: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dout, din) / math.sqrt(din))
+        self.bias = nn.Parameter(torch.randn(dout) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.linear(x, self.weight), self.bias
+
+
+class OutputLayer(nn.Module):
+    """Megatron's output layer: computes with the `weight` passed in (the word embeddings' when tied)."""
+
+    def __init__(self, din: int, dout: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dout, din) / math.sqrt(din))
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight if weight is None else weight)
+
+
+class MegatronGPT(nn.Module):
+    """Word and position embeddings, layers of LNLinear qkv -> causal attention -> RowLinear proj (bias added by
+    the caller) and LNLinear fc1 -> GELU -> RowLinear fc2, a final LayerNorm, the output layer tied or not."""
+
+    def __init__(self, tied: bool = True, layers: int = 2, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.tied = heads, tied
+        self.word = nn.Embedding(40, dim)
+        self.position = nn.Embedding(8, dim)
+        self.qkv = nn.ModuleList(LNLinear(dim, 3 * dim) for _ in range(layers))
+        self.proj = nn.ModuleList(RowLinear(dim, dim) for _ in range(layers))
+        self.fc1 = nn.ModuleList(LNLinear(dim, 4 * dim) for _ in range(layers))
+        self.fc2 = nn.ModuleList(RowLinear(4 * dim, dim) for _ in range(layers))
+        self.final = nn.LayerNorm(dim)
+        self.output = OutputLayer(dim, 40)
+        for emb in (self.word, self.position):  # Megatron's init_method_std
+            nn.init.normal_(emb.weight, std=0.02)
+        if tied:
+            del self.output.weight
+            self.output.register_parameter("weight", None)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        x = self.word(idx) + self.position(torch.arange(t))
+        hd = x.shape[-1] // self.heads
+        for k in range(len(self.qkv)):
+            q, key, v = self.qkv[k](x).view(b, t, 3, self.heads, hd).unbind(2)
+            att = F.scaled_dot_product_attention(
+                q.transpose(1, 2), key.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
+            out, bias = self.proj[k](att.transpose(1, 2).reshape(b, t, -1))
+            x = x + F.dropout(out + bias, 0.0, self.training)
+            out, bias = self.fc2[k](F.gelu(self.fc1[k](x)))
+            x = x + F.dropout(out + bias, 0.0, self.training)
+        h = self.final(x)
+        return self.output(h, self.word.weight) if self.tied else self.output(h)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """gamma stored as (gamma - 1), initialised to 0 (Megatron's `apply_layernorm_1p`)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+
+class SwiGLUNet(nn.Module):
+    """Zero-centred RMSNorms, one fused gate-and-up projection split in two, an untied output layer."""
+
+    def __init__(self, layers: int = 2, dim: int = 24) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, dim)
+        self.norms = nn.ModuleList(ZeroCenteredRMSNorm(dim) for _ in range(layers))
+        self.gate_up = nn.ModuleList(nn.Linear(dim, 4 * dim, bias=False) for _ in range(layers))
+        self.down = nn.ModuleList(nn.Linear(2 * dim, dim, bias=False) for _ in range(layers))
+        self.final = ZeroCenteredRMSNorm(dim)
+        self.output = nn.Linear(dim, 40, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for norm, gate_up, down in zip(self.norms, self.gate_up, self.down, strict=True):
+            g, u = gate_up(norm(x)).chunk(2, -1)
+            x = x + down(F.silu(g) * u)
+        return self.output(self.final(x))
+
+
+class GroupedExperts(nn.Module):
+    """Expert weights as 3-D parameters, applied per expert to the tokens routed to it (GroupedMLP)."""
+
+    def __init__(self, experts: int, dim: int, ffn: int) -> None:
+        super().__init__()
+        self.weight1 = nn.Parameter(torch.randn(experts, dim, 2 * ffn) / math.sqrt(dim))
+        self.weight2 = nn.Parameter(torch.randn(experts, ffn, dim) / math.sqrt(ffn))
+
+    def forward(self, x: torch.Tensor, slots: list[torch.Tensor], probs: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, tok in enumerate(slots):
+            if tok.numel():
+                g, u = (x[tok] @ self.weight1[e]).chunk(2, -1)
+                out = out.index_add(0, tok, probs[tok, e : e + 1] * ((F.silu(g) * u) @ self.weight2[e]))
+        return out
+
+
+class GroupedMoE(nn.Module):
+    """Top-2 routing with a capacity (tokens over it dropped), grouped experts, a shared expert behind a
+    sigmoid gate, a router without bias; the last expert is masked out of the routing (it never gets a token)."""
+
+    def __init__(self, dim: int = 12, experts: int = 4, ffn: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = GroupedExperts(experts, dim, ffn)
+        self.shared = nn.Sequential(nn.Linear(dim, ffn), nn.GELU(), nn.Linear(ffn, dim))
+        self.shared_gate = nn.Linear(dim, 1, bias=False)
+        self.out = nn.Linear(dim, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        logits = self.router(h)
+        n = logits.shape[-1]
+        logits = logits.masked_fill(torch.arange(n) == n - 1, -1e4)
+        probs = logits.float().softmax(-1).to(h.dtype)
+        chosen = probs.topk(2, -1).indices
+        capacity = max(1, (2 * h.shape[0]) // (n - 1))
+        slots = [(chosen == e).any(-1).nonzero(as_tuple=True)[0][:capacity] for e in range(n)]
+        shared = self.shared(h) * torch.sigmoid(self.shared_gate(h))
+        return self.out(h + self.experts(h, slots, probs) + shared)
+
+
+class LatentAttention(nn.Module):
+    """Low-rank query and key-value projections with norms between (MLA), rotary embeddings on part of the
+    head, and separate rotary key projections."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, rank: int = 12, rope: int = 4) -> None:
+        super().__init__()
+        self.heads, self.rope = heads, rope
+        hd = dim // heads
+        self.emb = nn.Embedding(40, dim)
+        self.q_down = nn.Linear(dim, rank, bias=False)
+        self.q_norm = RMSNorm(rank)
+        self.q_up = nn.Linear(rank, heads * (hd + rope), bias=False)
+        self.kv_down = nn.Linear(dim, rank + rope, bias=False)
+        self.kv_norm = RMSNorm(rank)
+        self.kv_up = nn.Linear(rank, heads * 2 * hd, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.head = nn.Linear(dim, 40)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        b, t, d = x.shape
+        hd = d // self.heads
+        q = self.q_up(self.q_norm(self.q_down(x))).view(b, t, self.heads, hd + self.rope).transpose(1, 2)
+        kv, k_rope = self.kv_down(x).split([self.kv_down.out_features - self.rope, self.rope], -1)
+        key, value = self.kv_up(self.kv_norm(kv)).view(b, t, self.heads, 2 * hd).transpose(1, 2).chunk(2, -1)
+        k_rope = _rope(k_rope[:, None].expand(b, self.heads, t, self.rope))
+        q = torch.cat([q[..., :hd], _rope(q[..., hd:])], -1)
+        key = torch.cat([key, k_rope], -1)
+        value = F.pad(value, (0, self.rope))
+        att = F.scaled_dot_product_attention(q, key, value, is_causal=True)[..., :hd]
+        return self.head(x + self.o(att.transpose(1, 2).reshape(b, t, d)))
+
+
+class SelectiveScan(nn.Module):
+    """A Mamba-style mixer: input projection, causal depthwise conv, input-dependent step and state matrices,
+    `A_log`, `D` and `dt_bias` used outside any Linear, a sequential scan, gated output projection."""
+
+    def __init__(self, dim: int = 16, inner: int = 24, state: int = 4, rank: int = 4) -> None:
+        super().__init__()
+        self.state, self.rank = state, rank
+        self.emb = nn.Embedding(40, dim)
+        self.norm = RMSNorm(dim)
+        self.in_proj = nn.Linear(dim, 2 * inner, bias=False)
+        self.conv = nn.Conv1d(inner, inner, 4, groups=inner, padding=3)
+        self.x_proj = nn.Linear(inner, rank + 2 * state, bias=False)
+        self.dt_proj = nn.Linear(rank, inner, bias=False)
+        self.dt_bias = nn.Parameter(torch.rand(inner) * 0.5 - 2.0)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, state + 1, dtype=torch.float32)).repeat(inner, 1))
+        self.D = nn.Parameter(torch.ones(inner))
+        self.out_proj = nn.Linear(inner, dim, bias=False)
+        self.head = nn.Linear(dim, 40)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        b, t, _ = x.shape
+        u, z = self.in_proj(self.norm(x)).chunk(2, -1)
+        u = F.silu(self.conv(u.transpose(1, 2))[..., :t].transpose(1, 2))
+        dt, bm, cm = self.x_proj(u).split([self.rank, self.state, self.state], -1)
+        dt = F.softplus(self.dt_proj(dt) + self.dt_bias)  # [b, t, inner]
+        a = -torch.exp(self.A_log.float())  # [inner, state]
+        h = u.new_zeros(b, u.shape[-1], self.state)
+        ys = []
+        for s in range(t):
+            h = (
+                torch.exp(dt[:, s, :, None] * a) * h
+                + dt[:, s, :, None] * bm[:, s, None, :] * u[:, s, :, None]
+            )
+            ys.append((h * cm[:, s, None, :]).sum(-1) + self.D * u[:, s])
+        y = torch.stack(ys, 1) * F.silu(z)
+        return self.head(x + self.out_proj(y))
+
+
+class BertMLM(nn.Module):
+    """Post-norm encoder with word, position and token-type embeddings (type 1 never used), an MLM head whose
+    decoder is the word embeddings plus a bias parameter of its own, a pooler and a binary head; the loss is the
+    sum of both (`bert_loss`)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.word = nn.Embedding(40, dim)
+        self.position = nn.Embedding(8, dim)
+        self.types = nn.Embedding(2, dim)
+        self.emb_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm1 = nn.LayerNorm(dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.transform = nn.Linear(dim, dim)
+        self.transform_norm = nn.LayerNorm(dim)
+        self.lm_bias = nn.Parameter(torch.zeros(40))
+        self.pooler = nn.Linear(dim, dim)
+        self.binary = nn.Linear(dim, 2)
+        for emb in (self.word, self.position, self.types):
+            nn.init.normal_(emb.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t = idx.shape
+        x = self.emb_norm(self.word(idx) + self.position(torch.arange(t)) + self.types(torch.zeros_like(idx)))
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        att = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
+        x = self.norm1(x + self.o(att))
+        x = self.norm2(x + self.fc2(F.gelu(self.fc1(x))))
+        h = self.transform_norm(F.gelu(self.transform(x)))
+        logits = F.linear(h, self.word.weight) + self.lm_bias
+        return logits, self.binary(torch.tanh(self.pooler(x[:, 0])))
+
+
+def bert_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, target = batch
+    logits, binary = model(x)
+    lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return lm + F.cross_entropy(binary.float(), x[:, 0] % 2)
+
+
+class QKNormGPT(nn.Module):
+    """Per-head LayerNorms on queries and keys (QK layernorm), learned absolute positions as a raw parameter."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(40, dim)
+        self.pos = nn.Parameter(torch.randn(8, dim) * 0.02)
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.q_norm, self.k_norm = nn.LayerNorm(dim // heads), nn.LayerNorm(dim // heads)
+        self.o = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 40, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        att = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True)
+        return self.head(x + self.o(att.transpose(1, 2).reshape(b, t, d)))
+
+
+class MultiTokenPrediction(nn.Module):
+    """A trunk and a multi-token-prediction module (the next token's embedding joined to the hidden state,
+    projected, one more layer) sharing the embeddings and the output head; `mtp_loss` weighs its loss 0.3."""
+
+    def __init__(self, dim: int = 24) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, dim)
+        self.trunk = nn.Sequential(
+            nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)
+        )
+        self.h_norm, self.e_norm = RMSNorm(dim), RMSNorm(dim)
+        self.mtp_proj = nn.Linear(2 * dim, dim, bias=False)
+        self.mtp_layer = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
+        self.final = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 40, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.emb(idx)
+        h = x + self.trunk(x)
+        nxt = self.emb(torch.roll(idx, -1, 1))
+        m = self.mtp_proj(torch.cat([self.h_norm(h), self.e_norm(nxt)], -1))
+        m = m + self.mtp_layer(m)
+        return self.head(self.final(h)), self.head(self.final(m))
+
+
+def mtp_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, target = batch
+    main, mtp = model(x)
+    main_loss = F.cross_entropy(main.float().reshape(-1, 40), target.reshape(-1))
+    return main_loss + 0.3 * F.cross_entropy(
+        mtp.float().reshape(-1, 40), torch.roll(target, -1, 1).reshape(-1)
+    )
+
+
+class Recomputed(nn.Module):
+    """Layers under activation recompute (`torch.utils.checkpoint`): their forward runs again in the backward."""
+
+    def __init__(self, reentrant: bool, layers: int = 2, dim: int = 24) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.emb = nn.Embedding(40, dim)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, 40)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = x + torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+class TransposedLinear(nn.Module):
+    """A linear whose weight is stored [in, out] and applied as x @ w + b (not nn.Linear's layout)."""
+
+    def __init__(self, din: int, dout: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(din, dout) / math.sqrt(din))
+        self.b = nn.Parameter(torch.zeros(dout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + self.b
+
+
+class Transposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = TransposedLinear(12, 32), TransposedLinear(32, 32), TransposedLinear(32, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(F.gelu(self.b(F.gelu(self.a(x)))))
+
+
 # -- batches and losses --------------------------------------------------------------------------------------
 def tokens(n: int, seed: int) -> list[Batch]:
     gen = torch.Generator().manual_seed(seed)
@@ -592,7 +965,7 @@ class WildCase:
     make: Callable[[], nn.Module]
     loss: Callable[[nn.Module, Batch], torch.Tensor]
     batches: Callable[[int, int], list[Batch]]
-    batch: str  # "A" .. "D"
+    batch: str  # "A" .. "E"
     # the forward writes a buffer it computes with (spectral norm's power iteration): the sequence's later
     # micro-batches see it moved, as in training, so a correct model may end inconclusive on that account
     stateful: bool = False
@@ -638,17 +1011,54 @@ CASES: dict[str, WildCase] = {
         WildCase("rezero-bf16", lambda: ReZero().bfloat16(), mse, rows_bf16, "D"),
         WildCase("fft-long-conv", FFTConv, mse, rows, "D"),
         WildCase("spectral-norm", Spectral, mse, rows, "D", stateful=True),
+        WildCase("megatron-gpt-tied", MegatronGPT, cross_entropy, tokens, "E"),
+        WildCase("megatron-gpt-untied", lambda: MegatronGPT(tied=False), cross_entropy, tokens, "E"),
+        WildCase("megatron-gpt-bf16", lambda: MegatronGPT().bfloat16(), cross_entropy, tokens, "E"),
+        WildCase("swiglu-zero-centred", SwiGLUNet, cross_entropy, tokens, "E"),
+        WildCase("swiglu-zero-centred-bf16", lambda: SwiGLUNet().bfloat16(), cross_entropy, tokens, "E"),
+        WildCase("grouped-moe", GroupedMoE, mse, rows, "E"),
+        WildCase("grouped-moe-bf16", lambda: GroupedMoE().bfloat16(), mse, rows_bf16, "E"),
+        WildCase("latent-attention", LatentAttention, cross_entropy, tokens, "E"),
+        WildCase("selective-scan", SelectiveScan, cross_entropy, tokens, "E"),
+        WildCase("bert-mlm", BertMLM, bert_loss, tokens, "E"),
+        WildCase("qk-layernorm", QKNormGPT, cross_entropy, tokens, "E"),
+        WildCase("multi-token-prediction", MultiTokenPrediction, mtp_loss, tokens, "E"),
+        WildCase("recompute", lambda: Recomputed(False), cross_entropy, tokens, "E"),
+        WildCase("recompute-reentrant", lambda: Recomputed(True), cross_entropy, tokens, "E"),
+        WildCase("transposed-linear", Transposed, mse, rows, "E"),
     ]
 }
 
-SEEDS = {"A": (0, 1, 2), "B": (3, 4, 5), "C": tuple(range(6, 16)), "D": (20, 21, 22)}
+SEEDS = {"A": (0, 1, 2), "B": (3, 4, 5), "C": tuple(range(6, 16)), "D": (20, 21, 22), "E": (50, 51, 52)}
 # drawn after every rule and threshold was set, and run once before this file's target picker was mended (the
 # only change they led to): the population's held-out part, graded like the rest
-HELD_OUT_SEEDS = {"A": (30, 31, 32), "B": (33, 34, 35), "C": tuple(range(36, 46)), "D": (46, 47, 48)}
+HELD_OUT_SEEDS = {
+    "A": (30, 31, 32), "B": (33, 34, 35), "C": tuple(range(36, 46)), "D": (46, 47, 48), "E": (53, 54, 55)
+}  # fmt: skip
 
 
 def _zeroed(model: nn.Module, name: str) -> None:
     dict(model.named_parameters())[name].register_hook(lambda g: g * 0)
+
+
+# Misses the population found and the tests hold as such (strict xfail: a case that starts passing fails them):
+# a zeroed gradient on a weight whose whole effect on the loss, moved by a quarter of its norm, stays within
+# the loss's noise reads `unused` (its documented meaning, with that bound in its note), not `grad_lost`.
+# Keys: (case, seed, bug, True where only the loss-level probe after the screening misses it).
+KNOWN_MISSES = {
+    (
+        "selective-scan",
+        55,
+        "zeroed",
+        False,
+    ): "A_log (2.5e-5 of the largest gradient): the loss moves ~1 noise",
+    (
+        "swiglu-zero-centred-bf16",
+        54,
+        "zeroed",
+        True,
+    ): "a zero-initialised (1 + w) norm weight, bf16 loss noise",
+}
 
 
 # bug -> (inject(model, parameter name), the anomaly it must get or None for any, the factor it applies)
@@ -668,6 +1078,17 @@ BUGS_OF = {
     "B": ("x2", "x0.5", "sign", "overwrite", "every-second-halved", "later-doubled", "third-lost"),
     "C": ("x2", "x0.5", "zeroed", "overwrite", "every-second-halved"),
     "D": ("x2", "x0.5", "x1.3", "sign", "zeroed", "overwrite", "every-second-halved", "third-lost"),
+    "E": (
+        "x2",
+        "x0.5",
+        "x1.3",
+        "sign",
+        "zeroed",
+        "overwrite",
+        "every-second-halved",
+        "later-doubled",
+        "third-lost",
+    ),
 }
 
 

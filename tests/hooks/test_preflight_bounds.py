@@ -1,5 +1,5 @@
 """What a passing finite-difference comparison leaves open on one weight (`judge.hidden_factor`), and when a
-self-consistent estimate is still no ground for blame (`measure.contradicted`)."""
+self-consistent estimate is still no ground for blame (`measure.contradicted`, `measure.refuting`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from maingrad.hooks.preflight.judge import hidden_factor
-from maingrad.hooks.preflight.measure import Estimate, contradicted
+from maingrad.hooks.preflight.measure import Estimate, contradicted, finer, refuting
 
 
 def _set_ratio(share: float, factor: float) -> float | None:
@@ -70,3 +70,23 @@ def test_smaller_steps_that_disagree_beyond_the_noise_contradict_a_blame() -> No
     # only smaller steps count (a larger one is where truncation grows), and only a reliable estimate
     assert contradicted(levels[:2], est, noise=4.48e-5) is None
     assert contradicted(levels, Estimate(ratio=1.2, reason="no two steps agree"), noise=4.48e-5) is None
+
+
+def test_a_loss_that_jumps_is_refuted_one_step_below_the_pair() -> None:
+    """A top-k router in bf16 (`preflight_wild.py`'s grouped MoE, seed 50): two tokens' choices flip within
+    the two steps, and the loss's jumps grew in proportion by chance (x13.45 and x13.49). The reported
+    gradient's change one step below is near the noise, so `finer` has no step; the blame's own change there
+    is 19 noises, so `refuting` asks for it, and the jump (or no change at all) contradicts the line."""
+    noise = 3.65e-5
+    pair = [(2.0**-6, 0.002784, 0.000207), (2.0**-7, 0.001407, 0.0001043)]
+    est = Estimate(ratio=13.49, error=0.042, step=2.0**-7, pair=(2.0**-6, 2.0**-7), reliable=True)
+    assert finer(pair, noise) is None
+    assert refuting(pair, est, noise) == 2.0**-8
+    for c in (0.0014, 0.0):  # the same jump still crossed, or none
+        assert contradicted([*pair, (2.0**-8, c, 5.2e-5)], est, noise) is not None
+    # a gradient truly 13.49x too small stays blamed there
+    assert contradicted([*pair, (2.0**-8, 13.49 * 5.2e-5 + noise, 5.2e-5)], est, noise) is None
+    # asked once: not where a level below the pair exists, nor where the blame's change there is within noise
+    assert refuting([*pair, (2.0**-8, 0.0, 5.2e-5)], est, noise) is None
+    small = Estimate(ratio=1.5, error=0.042, step=2.0**-7, pair=(2.0**-6, 2.0**-7), reliable=True)
+    assert refuting(pair, small, noise) is None

@@ -198,7 +198,6 @@ def test_the_zoo_bugs_are_named_on_this_path(late: None, model_name: str, bug_na
 
 
 WILD_CORRECT = wild_tests.CORRECT + wild_tests.HELD_OUT_CORRECT
-WILD_BUGGY = wild_tests.BUGGY + wild_tests.HELD_OUT_BUGGY
 
 
 @pytest.mark.parametrize(("name", "seed"), WILD_CORRECT, ids=[f"{n}-{s}" for n, s in WILD_CORRECT])
@@ -206,7 +205,7 @@ def test_the_wild_population_passes_on_this_path(late: None, name: str, seed: in
     wild_tests.test_a_correct_model_passes(name, seed)
 
 
-@pytest.mark.parametrize(("name", "seed", "bug"), WILD_BUGGY, ids=[f"{n}-{s}-{b}" for n, s, b in WILD_BUGGY])
+@pytest.mark.parametrize(("name", "seed", "bug"), wild_tests.buggy_params(late=True))
 def test_the_wild_bugs_are_named_or_visibly_missed_on_this_path(
     late: None, name: str, seed: int, bug: str
 ) -> None:
