@@ -294,12 +294,15 @@ class LocalFD:
             return
         values: list[torch.Tensor] = []
         preds: dict[int, int] = {}
-        starts: list[int] = []
+        # per set: where its reruns' measured sums, variances and rounding bounds start in `values`, how many
+        # (each a device scalar: they are added on the host, not with two launches per set)
+        starts: list[tuple[int, int]] = []
         for members, keys in sets:
-            starts.append(len(values))
-            values.append(torch.stack([v for key in keys for v in probe.sums[key].measured]).sum())
-            values.append(torch.stack([v for key in keys for v in probe.sums[key].variance]).sum())
-            values.append(torch.stack([v for key in keys for v in probe.sums[key].summing]).sum())
+            sums = [probe.sums[key] for key in keys]
+            starts.append((len(values), sum(len(x.measured) for x in sums)))
+            values += [v for x in sums for v in x.measured]
+            values += [v for x in sums for v in x.variance]
+            values += [v for x in sums for v in x.summing]
             sides = {n for key in keys for n in probe.sums[key].sides}
             for i in members:
                 g = reported[i]
@@ -313,8 +316,8 @@ class LocalFD:
                 )
         host = stack_to_host(values)
         self.check.syncs += 1
-        for (members, _), at in zip(sets, starts, strict=True):
-            measured, variance, summing = host[at], host[at + 1], host[at + 2]
+        for (members, _), (at, n) in zip(sets, starts, strict=True):
+            measured, variance, summing = (math.fsum(host[at + k * n : at + (k + 1) * n]) for k in range(3))
             p = {i: host[preds[i]] for i in members if i in preds}
             zero = all(probe.plan[i].direction is None for i in members)
             floor = self.floor(members)

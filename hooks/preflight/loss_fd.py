@@ -34,7 +34,7 @@ from maingrad.hooks.preflight.measure import (
     some,
     unit_roundoff,
 )
-from maingrad.hooks.preflight.moves import CANDIDATE_STEPS, Along, Moves
+from maingrad.hooks.preflight.moves import CANDIDATE_STEPS, Along, Jitter, Moves
 from maingrad.hooks.preflight.result import Probe
 
 if TYPE_CHECKING:
@@ -154,9 +154,17 @@ class LossFD:
                         and adapter.compute_dtype(self.check.entries[i]) == t.dtype
                     ):
                         batched.setdefault((t.device, t.dtype, g.dtype), []).append((j, i))
-                done = {j for members in batched.values() for j, _ in members}
+                done: set[int] = set()
                 for members in batched.values():
                     self._move_small(members, targets, grads, cast(Along, delta), sign)
+                    done.update(j for j, _ in members)
+                if isinstance(delta, Jitter):  # the noise's moves of the small weights, batched likewise
+                    small = [j for j, t in enumerate(targets) if t.numel() <= SMALL_MOVE]
+                    if small:
+                        draws = delta.many([indexes[j] for j in small], [targets[j] for j in small])
+                        FOREACH_OPS._foreach_add_([targets[j] for j in small], draws, alpha=sign)
+                        del draws
+                        done.update(small)
                 for j, (i, t, old) in enumerate(zip(indexes, targets, saved, strict=True)):
                     g = grads[i]
                     if j not in done:  # (the small ones moved above)
@@ -205,8 +213,7 @@ class LossFD:
     ) -> None:
         """Small weights of one device and dtype (biases, norms: most of a model's parameters, a sliver of its
         elements) moved with multi-tensor launches instead of one add per weight, and the same moves (their
-        predictions go with the others', `_predictions`). (The noise's jitter stays per weight: its draw is the
-        noise estimate's one sample.)"""
+        predictions go with the others', `_predictions`)."""
         ts = [targets[j] for j, _ in members]
         gs = [cast(torch.Tensor, grads[i]).view(targets[j].shape) for j, i in members]
         factors = [sign * delta.factor(i, targets[j]) for j, i in members]

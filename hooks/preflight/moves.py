@@ -10,7 +10,17 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from maingrad.hooks.preflight.measure import SUBSET, norm, norms, some, to_device, unit_roundoff
+from maingrad.hooks.preflight.measure import (
+    FOREACH_OPS,
+    SUBSET,
+    foreach_mul_,
+    foreach_sub_scalar_,
+    norm,
+    norms,
+    some,
+    to_device,
+    unit_roundoff,
+)
 
 if TYPE_CHECKING:
     from maingrad.hooks.preflight.check import Check
@@ -46,7 +56,7 @@ class Moves:
         # alone); every probe that holds the weight moves it by the same multiple, so a half inferred as the
         # parent minus its sibling is the half's own measurement
         self.mult = [1.0] * n
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self.jitter = Jitter(self)
 
     def restrict(self, indexes: list[int], directions: dict[int, torch.Tensor]) -> None:
         """Move only `indexes` from now on, along `directions` (copies of the gradient these moves were sized
@@ -137,16 +147,38 @@ class Moves:
 
         return delta
 
-    def jitter(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        """+-2 units of round-off of each element, signs seeded per weight (the same at + and -), computed in
-        the weight's own dtype: (0 or 4u) - 2u is exact, and so is its product with |t| (a power of two)."""
-        gen = self._generators.get(t.device)
-        if gen is None:
-            gen = self._generators[t.device] = torch.Generator(device=t.device)
-        gen.manual_seed(7919 + i)
-        u = unit_roundoff(self.check.adapter.compute_dtype(self.check.entries[i]))
-        d = torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=t.dtype)
-        return d.mul_(4 * u).sub_(2 * u).mul_(t.abs())
+
+class Jitter:
+    """The noise's move: +-2 units of round-off of each element, signs seeded per weight (the same at + and
+    -), computed in the weight's own dtype: (0 or 4u) - 2u is exact, and so is its product with |t| (a power
+    of two)."""
+
+    def __init__(self, moves: Moves) -> None:
+        self.moves = moves
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        return self.many([i], [t])[0]
+
+    def many(self, indexes: list[int], targets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The moves of several weights: the same draws and the same exact products as one at a time, in
+        multi-tensor launches per unit of round-off (for small weights one launch each would dominate)."""
+        check = self.moves.check
+        draws: list[torch.Tensor] = []
+        by_unit: dict[float, list[int]] = {}
+        for k, (i, t) in enumerate(zip(indexes, targets, strict=True)):
+            gen = self._generators.get(t.device)
+            if gen is None:
+                gen = self._generators[t.device] = torch.Generator(device=t.device)
+            gen.manual_seed(7919 + i)
+            draws.append(torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=t.dtype))
+            by_unit.setdefault(unit_roundoff(check.adapter.compute_dtype(check.entries[i])), []).append(k)
+        for u, ks in by_unit.items():
+            ds = [draws[k] for k in ks]
+            foreach_mul_(ds, 4 * u)
+            foreach_sub_scalar_(ds, 2 * u)
+            FOREACH_OPS._foreach_mul_(ds, FOREACH_OPS._foreach_abs([targets[k] for k in ks]))
+        return draws
 
 
 class Along:
