@@ -160,11 +160,12 @@ class LossFD:
                     done.update(j for j, _ in members)
                 if isinstance(delta, Jitter):  # the noise's moves of the small weights, batched likewise
                     small = [j for j, t in enumerate(targets) if t.numel() <= SMALL_MOVE]
-                    if small:
-                        draws = delta.many([indexes[j] for j in small], [targets[j] for j in small])
-                        FOREACH_OPS._foreach_add_([targets[j] for j in small], draws, alpha=sign)
+                    sizes = [targets[j].numel() for j in small]
+                    for part in chunks(small, sizes, FD_CHUNK):  # the draws' scratch bounded
+                        draws = delta.many([indexes[j] for j in part], [targets[j] for j in part])
+                        FOREACH_OPS._foreach_add_([targets[j] for j in part], draws, alpha=sign)
                         del draws
-                        done.update(small)
+                    done.update(small)
                 for j, (i, t, old) in enumerate(zip(indexes, targets, saved, strict=True)):
                     g = grads[i]
                     if j not in done:  # (the small ones moved above)

@@ -371,9 +371,7 @@ E_MAX = 0.05  # a relative error bar at most this is a reliable estimate
 OFF = 0.2  # "consistently off": every step's ratio beyond 1 +- OFF (after its noise), on the same side
 OFF_SPREAD = 4.0  # "consistently off": the ratios at every step within this factor of each other
 Z_MOVE = 4.0  # a loss change of more than Z_MOVE x the noise "moves"
-REFUTE = (
-    8.0  # a blame's predicted change at the step that could refute it, in units of the noise (`refuting`)
-)
+REFUTE = 8.0  # a blame's own change at the step that could refute it, in noise units (`refuting`)
 
 
 @dataclass

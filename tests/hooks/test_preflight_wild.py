@@ -13,20 +13,15 @@ from preflight_zoo import microbatch
 
 from maingrad.hooks.preflight.run import preflight
 
-CORRECT = [(name, seed) for name, case in CASES.items() for seed in SEEDS[case.batch]]
-BUGGY = [
-    (name, seed, bug)
-    for name, case in CASES.items()
-    for seed in SEEDS[case.batch]
-    for bug in BUGS_OF[case.batch]
-]
-HELD_OUT_CORRECT = [(name, seed) for name, case in CASES.items() for seed in HELD_OUT_SEEDS[case.batch]]
-HELD_OUT_BUGGY = [
-    (name, seed, bug)
-    for name, case in CASES.items()
-    for seed in HELD_OUT_SEEDS[case.batch]
-    for bug in BUGS_OF[case.batch]
-]
+
+def _cases(seeds: dict[str, tuple[int, ...]]) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
+    """(correct, buggy) cases of every architecture with the seeds of its batch."""
+    correct = [(name, seed) for name, case in CASES.items() for seed in seeds[case.batch]]
+    return correct, [(name, seed, bug) for name, seed in correct for bug in BUGS_OF[CASES[name].batch]]
+
+
+CORRECT, BUGGY = _cases(SEEDS)
+HELD_OUT_CORRECT, HELD_OUT_BUGGY = _cases(HELD_OUT_SEEDS)
 
 
 @pytest.mark.parametrize(
