@@ -161,9 +161,9 @@ class LossFD:
                 if isinstance(delta, Jitter):  # the noise's moves of the small weights, batched likewise
                     small = [j for j, t in enumerate(targets) if t.numel() <= SMALL_MOVE]
                     sizes = [targets[j].numel() for j in small]
-                    for part in chunks(small, sizes, FD_CHUNK):  # the draws' scratch bounded
-                        draws = delta.many([indexes[j] for j in part], [targets[j] for j in part])
-                        FOREACH_OPS._foreach_add_([targets[j] for j in part], draws, alpha=sign)
+                    for piece in chunks(small, sizes, FD_CHUNK):  # the draws' scratch bounded
+                        draws = delta.many([indexes[j] for j in piece], [targets[j] for j in piece])
+                        FOREACH_OPS._foreach_add_([targets[j] for j in piece], draws, alpha=sign)
                         del draws
                     done.update(small)
                 for j, (i, t, old) in enumerate(zip(indexes, targets, saved, strict=True)):
