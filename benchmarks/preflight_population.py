@@ -1,0 +1,119 @@
+"""Grades of maingrad.hooks.preflight on the CPU populations, as counts (the tests only pass or fail).
+
+    python3 benchmarks/preflight_population.py [--seeds tuned|held-out] [--batches ABCDE] [--late]
+                                               [--jsonl FILE]
+
+Every case of `tests/hooks/preflight_wild.py` (architectures of the chosen batches x their seeds x correct
+and each bug kind of the batch) is run once and graded as `tests/hooks/test_preflight_wild.py` grades it:
+correct models `pass` (or `stateful-inconclusive`: inconclusive only on account of buffers the forward
+writes), else `inconclusive`, `error` or `false-alarm`; bugs `named` (on their parameter, with their
+anomaly), `visible-miss` (the parameter inconclusive, or its fd_resolution admits the factor), `wrong-blame`
+(another parameter named), `wrong-verdict` or `silent-miss`. `--late` lowers the threshold under which a
+weight always stays in the loss-level probe to 64 elements, so that most models take the path where that probe
+waits for the module-local screening. Prints the counts, the cases that are neither passing, named nor
+visibly missed, and the loss evaluations and module reruns of the correct models (the passing path's cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "hooks"))
+
+from preflight_wild import BUGS, BUGS_OF, CASES, HELD_OUT_SEEDS, SEEDS, build  # noqa: E402
+from preflight_zoo import microbatch  # noqa: E402
+
+from maingrad.hooks.preflight import check as check_module  # noqa: E402
+from maingrad.hooks.preflight.run import preflight  # noqa: E402
+
+GOOD = ("pass", "stateful-inconclusive", "named", "visible-miss")
+
+
+def grade(name: str, seed: int, bug: str | None) -> dict:
+    case = CASES[name]
+    model, target = build(case, seed, bug)
+    result = preflight(model, microbatch(case.loss), case.batches(3, seed), loss_fn=case.loss)
+    named = {p.name: p.anomalies for p in result.params if p.anomalies}
+    if bug is None:
+        unsure = [p for p in result.params if p.inconclusive]
+        if result.status == "pass":
+            verdict = "pass"
+        elif result.status == "inconclusive" and case.stateful:
+            stateful = all("the forward writes buffers" in " ".join(p.notes) for p in unsure)
+            verdict = "stateful-inconclusive" if stateful else "inconclusive"
+        elif result.status in ("inconclusive", "error"):
+            verdict = result.status
+        else:
+            verdict = "false-alarm"
+    else:
+        _, code, factor = BUGS[bug]
+        p = next(p for p in result.params if p.name == target)
+        if set(named) - {target}:
+            verdict = "wrong-blame"
+        elif target in named:
+            verdict = "named" if code is None or code in named[target] or p.numel == 1 else "wrong-verdict"
+        elif factor is not None and (p.inconclusive or (factor != 0.0 and p.could_hide(factor))):
+            verdict = "visible-miss"
+        else:
+            verdict = "silent-miss"
+    return {
+        "case": name,
+        "seed": seed,
+        "bug": bug,
+        "target": target,
+        "grade": verdict,
+        "status": result.status,
+        "named": named,
+        "loss_evaluations": result.cost["loss_evaluations"],
+        "module_reruns": result.cost["module_reruns"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", choices=("tuned", "held-out"), default="held-out")
+    parser.add_argument("--batches", default="ABCDE")
+    parser.add_argument("--late", action="store_true")
+    parser.add_argument("--jsonl")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.late:
+        check_module.END_TO_END_MAX = 64
+    seeds = SEEDS if args.seeds == "tuned" else HELD_OUT_SEEDS
+    jobs = [
+        (name, seed, bug)
+        for name, case in CASES.items()
+        if case.batch in args.batches
+        for seed in seeds[case.batch]
+        for bug in (None, *BUGS_OF[case.batch])
+    ]
+    rows = [grade(*job) for job in jobs]
+    if args.jsonl:
+        Path(args.jsonl).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    counts = collections.Counter(row["grade"] for row in rows)
+    print(
+        f"{len(rows)} calls ({args.seeds} seeds, batches {args.batches}{', late path forced' if args.late else ''})"
+    )
+    print("  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    correct = [row for row in rows if row["bug"] is None]
+    print(
+        f"  correct models: {sum(r['loss_evaluations'] for r in correct)} loss evaluations, "
+        f"{sum(r['module_reruns'] for r in correct)} module reruns"
+    )
+    for row in rows:
+        if row["grade"] not in GOOD:
+            print(
+                f"  {row['grade']}: {row['case']} seed {row['seed']} {row['bug']} on {row['target']}: {row['named']}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
