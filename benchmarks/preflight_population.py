@@ -4,7 +4,7 @@
                                                [--jsonl FILE]
 
 Every case of `tests/hooks/preflight_wild.py` (architectures of the chosen batches x their seeds x correct
-and each bug kind of the batch) is run once and graded as `tests/hooks/test_preflight_wild.py` grades it:
+and each bug kind of the batch) is run once and graded by `preflight_wild.grade`, as the tests grade it:
 correct models `pass` (or `stateful-inconclusive`: inconclusive only on account of buffers the forward
 writes), else `inconclusive`, `error` or `false-alarm`; bugs `named` (on their parameter, with their
 anomaly), `visible-miss` (the parameter inconclusive, or its fd_resolution admits the factor), `wrong-blame`
@@ -27,42 +27,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "hooks"))
 
-from preflight_wild import BUGS, BUGS_OF, CASES, HELD_OUT_SEEDS, SEEDS, build  # noqa: E402
-from preflight_zoo import microbatch  # noqa: E402
+from preflight_wild import BUGS_OF, CASES, CAUGHT, HELD_OUT_SEEDS, PASSING, SEEDS, grade  # noqa: E402
 
 from maingrad.hooks.preflight import check as check_module  # noqa: E402
-from maingrad.hooks.preflight.run import preflight  # noqa: E402
-
-GOOD = ("pass", "stateful-inconclusive", "named", "visible-miss")
 
 
-def grade(name: str, seed: int, bug: str | None) -> dict:
-    case = CASES[name]
-    model, target = build(case, seed, bug)
-    result = preflight(model, microbatch(case.loss), case.batches(3, seed), loss_fn=case.loss)
-    named = {p.name: p.anomalies for p in result.params if p.anomalies}
-    if bug is None:
-        unsure = [p for p in result.params if p.inconclusive]
-        if result.status == "pass":
-            verdict = "pass"
-        elif result.status == "inconclusive" and case.stateful:
-            stateful = all("the forward writes buffers" in " ".join(p.notes) for p in unsure)
-            verdict = "stateful-inconclusive" if stateful else "inconclusive"
-        elif result.status in ("inconclusive", "error"):
-            verdict = result.status
-        else:
-            verdict = "false-alarm"
-    else:
-        _, code, factor = BUGS[bug]
-        p = next(p for p in result.params if p.name == target)
-        if set(named) - {target}:
-            verdict = "wrong-blame"
-        elif target in named:
-            verdict = "named" if code is None or code in named[target] or p.numel == 1 else "wrong-verdict"
-        elif factor is not None and (p.inconclusive or (factor != 0.0 and p.could_hide(factor))):
-            verdict = "visible-miss"
-        else:
-            verdict = "silent-miss"
+def graded_row(name: str, seed: int, bug: str | None) -> dict:
+    verdict, result, target = grade(name, seed, bug)
     return {
         "case": name,
         "seed": seed,
@@ -70,7 +41,7 @@ def grade(name: str, seed: int, bug: str | None) -> dict:
         "target": target,
         "grade": verdict,
         "status": result.status,
-        "named": named,
+        "named": {p.name: p.anomalies for p in result.params if p.anomalies},
         "loss_evaluations": result.cost["loss_evaluations"],
         "module_reruns": result.cost["module_reruns"],
     }
@@ -94,7 +65,7 @@ def main() -> int:
         for seed in seeds[case.batch]
         for bug in (None, *BUGS_OF[case.batch])
     ]
-    rows = [grade(*job) for job in jobs]
+    rows = [graded_row(*job) for job in jobs]
     if args.jsonl:
         Path(args.jsonl).write_text("".join(json.dumps(row) + "\n" for row in rows))
     counts = collections.Counter(row["grade"] for row in rows)
@@ -108,7 +79,7 @@ def main() -> int:
         f"{sum(r['module_reruns'] for r in correct)} module reruns"
     )
     for row in rows:
-        if row["grade"] not in GOOD:
+        if row["grade"] not in PASSING + CAUGHT:
             print(
                 f"  {row['grade']}: {row['case']} seed {row['seed']} {row['bug']} on {row['target']}: {row['named']}"
             )

@@ -50,10 +50,6 @@ def foreach_sub_(tensors: Sequence[torch.Tensor], other: Sequence[torch.Tensor])
     FOREACH_OPS._foreach_sub_(list(tensors), list(other))
 
 
-def foreach_sub_scalar_(tensors: Sequence[torch.Tensor], value: float) -> None:
-    FOREACH_OPS._foreach_sub_(list(tensors), value)
-
-
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Half the distance from 1 to the next representable number."""
     if dtype.is_floating_point:

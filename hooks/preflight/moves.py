@@ -13,8 +13,6 @@ import torch
 from maingrad.hooks.preflight.measure import (
     FOREACH_OPS,
     SUBSET,
-    foreach_mul_,
-    foreach_sub_scalar_,
     norm,
     norms,
     some,
@@ -175,8 +173,8 @@ class Jitter:
             by_unit.setdefault(unit_roundoff(check.adapter.compute_dtype(check.entries[i])), []).append(k)
         for u, ks in by_unit.items():
             ds = [draws[k] for k in ks]
-            foreach_mul_(ds, 4 * u)
-            foreach_sub_scalar_(ds, 2 * u)
+            FOREACH_OPS._foreach_mul_(ds, 4 * u)
+            FOREACH_OPS._foreach_sub_(ds, 2 * u)
             FOREACH_OPS._foreach_mul_(ds, FOREACH_OPS._foreach_abs([targets[k] for k in ks]))
         return draws
 

@@ -44,8 +44,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from preflight_zoo import every_second_halved, later_doubled, overwrite, scale, third_only_lost
+from preflight_zoo import every_second_halved, later_doubled, microbatch, overwrite, scale, third_only_lost
 from torch import nn
+
+from maingrad.hooks.preflight.result import PreflightResult
+from maingrad.hooks.preflight.run import preflight
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -1116,3 +1119,40 @@ def build(case: WildCase, seed: int, bug: str | None) -> tuple[nn.Module, str | 
     name = target(case, model, seed)
     BUGS[bug][0](model, name)
     return model, name
+
+
+PASSING = ("pass", "stateful-inconclusive")  # the grades a correct model may get
+CAUGHT = ("named", "visible-miss")  # the grades a bug may get
+
+
+def grade(name: str, seed: int, bug: str | None) -> tuple[str, PreflightResult, str | None]:
+    """One call on a case, graded (with the result and the bug's target). A correct model: `pass`, or
+    `stateful-inconclusive` (a stateful forward, inconclusive only on account of the buffers it writes), else
+    `inconclusive`, `error` or `false-alarm`. A bug: `wrong-blame` (another parameter named), `named` (on its
+    parameter with the anomaly its kind must get; a scalar's singles are parallel, so which were kept cannot be
+    told, only that the sum is off), `wrong-verdict`, `visible-miss` (only of a bug the finite differences must
+    find, the runs name every accumulation bug, and visible on the parameter: inconclusive, or its
+    `fd_resolution` admits the factor; a zeroed gradient never `unused`) or `silent-miss`."""
+    case = CASES[name]
+    model, target = build(case, seed, bug)
+    result = preflight(model, microbatch(case.loss), case.batches(3, seed), loss_fn=case.loss)
+    if bug is None:
+        unsure = [p for p in result.params if p.inconclusive]
+        if result.status == "pass":
+            return "pass", result, None
+        if case.stateful and result.status == "inconclusive":
+            buffers = all("the forward writes buffers" in " ".join(p.notes) for p in unsure)
+            return ("stateful-inconclusive" if buffers else "inconclusive"), result, None
+        return (result.status if result.status in ("inconclusive", "error") else "false-alarm"), result, None
+    named = {p.name: p.anomalies for p in result.params if p.anomalies}
+    _, code, factor = BUGS[bug]
+    p = next(p for p in result.params if p.name == target)
+    if not set(named) <= {target}:
+        verdict = "wrong-blame"
+    elif target in named:
+        verdict = "named" if code is None or code in named[target] or p.numel == 1 else "wrong-verdict"
+    elif factor is not None and (p.inconclusive or (factor != 0.0 and p.could_hide(factor))):
+        verdict = "visible-miss"
+    else:
+        verdict = "silent-miss"
+    return verdict, result, target
