@@ -197,10 +197,7 @@ def test_the_zoo_bugs_are_named_on_this_path(late: None, model_name: str, bug_na
     zoo_tests.test_injected_bug_is_named_on_its_parameter(model_name, bug_name)
 
 
-WILD_CORRECT = wild_tests.CORRECT + wild_tests.HELD_OUT_CORRECT
-
-
-@pytest.mark.parametrize(("name", "seed"), WILD_CORRECT, ids=[f"{n}-{s}" for n, s in WILD_CORRECT])
+@pytest.mark.parametrize(("name", "seed"), wild_tests.correct_params())
 def test_the_wild_population_passes_on_this_path(late: None, name: str, seed: int) -> None:
     wild_tests.test_a_correct_model_passes(name, seed)
 

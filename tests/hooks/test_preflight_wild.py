@@ -21,11 +21,16 @@ CORRECT, BUGGY = _cases(SEEDS)
 HELD_OUT_CORRECT, HELD_OUT_BUGGY = _cases(HELD_OUT_SEEDS)
 
 
-@pytest.mark.parametrize(
-    ("name", "seed"),
-    CORRECT + HELD_OUT_CORRECT,
-    ids=[f"{n}-{s}" for n, s in CORRECT] + [f"held-out-{n}-{s}" for n, s in HELD_OUT_CORRECT],
-)
+def correct_params() -> list[object]:
+    """CORRECT and HELD_OUT_CORRECT as parameters."""
+    return [
+        pytest.param(n, s, id=f"{prefix}{n}-{s}")
+        for prefix, cases in (("", CORRECT), ("held-out-", HELD_OUT_CORRECT))
+        for n, s in cases
+    ]
+
+
+@pytest.mark.parametrize(("name", "seed"), correct_params())
 def test_a_correct_model_passes(name: str, seed: int) -> None:
     verdict, result, _ = grade(name, seed, None)
     assert verdict in PASSING, f"{verdict}\n{result.table()}"
