@@ -83,6 +83,7 @@ class Check:
         rtol: float | None,
         rng_states: Sequence[RngPair],
         module_fd: bool = True,
+        module_fd_classes: tuple[type, ...] = (),
     ) -> None:
         self.model = model
         self.run_microbatch = run_microbatch
@@ -144,7 +145,7 @@ class Check:
         # (pyright reads this file also as `hooks.preflight.check`, the folder it lives in, where the parts
         # expect the installed name's `Check`: the same class)
         self.loss_fd = LossFD(self)  # pyright: ignore[reportArgumentType]
-        self.local_fd = LocalFD(self, module_fd)  # pyright: ignore[reportArgumentType]
+        self.local_fd = LocalFD(self, module_fd, module_fd_classes)  # pyright: ignore[reportArgumentType]
 
     def _result(self, e: Entry, kind: str | None) -> ParamResult:
         module_type = f"{e.parent_type}/{e.owner_type}.{leaf_pattern(e.leaf)}"

@@ -95,25 +95,36 @@ _NOT_TORCH = object()  # a forward hook called by hand, without the kwargs torch
 EACH_MAX = 8  # zero-gradient weights of one module probed one by one up to this many, else together
 
 
-def probed_kind(module: torch.nn.Module | None) -> str | None:
+def probed_kind(module: torch.nn.Module | None, declared: tuple[type, ...] = ()) -> str | None:
     """The probed class a module is (or derives from), when the forward it runs is one of those packages' own
     (a subclass that rewrites forward, say with noise, is not probed) and it holds no child that holds
-    parameters."""
+    parameters. `declared`: the caller's own classes vouched for as such (preflight's `module_fd_classes`),
+    probed on the same terms: the forward that runs is the declared class's own or one it inherits."""
+    found = _probed(module, declared)
+    return None if found is None else found[0]
+
+
+def _probed(module: torch.nn.Module | None, declared: tuple[type, ...]) -> tuple[str, bool] | None:
+    """(`probed_kind`, whether by a declared class)."""
     if module is None:
         return None
-    kind = None
-    for cls in type(module).__mro__:
-        if cls.__name__ in PROBED and cls.__module__.startswith(ORIGINS):
-            kind = cls.__name__
+    found = None
+    mro = type(module).__mro__
+    defining = next((c for c in mro if "forward" in vars(c)), None)
+    for cls in mro:
+        if cls in declared:
+            if defining is not None and defining in cls.__mro__:
+                found = (cls.__name__, True)
             break
-    if kind is None:
-        return None
-    defining = next((c for c in type(module).__mro__ if "forward" in vars(c)), None)
-    if defining is None or not defining.__module__.startswith(ORIGINS) or "forward" in vars(module):
+        if cls.__name__ in PROBED and cls.__module__.startswith(ORIGINS):
+            if defining is not None and defining.__module__.startswith(ORIGINS):
+                found = (cls.__name__, False)
+            break
+    if found is None or "forward" in vars(module):
         return None
     if any(p is not None for child in module.children() for p in child.parameters()):
         return None
-    return kind
+    return found
 
 
 def _moved(
@@ -166,6 +177,10 @@ class Sums:
     summing: list[torch.Tensor] = field(default_factory=list)
     # 2: central differences; 1: forward differences against the forward's own output (`one_sided`)
     sides: set[int] = field(default_factory=set)
+    # a declared class's call (`probed_kind`): <dy, y(w) - y> of a rerun with nothing moved against the
+    # forward's own output y, its variance and rounding bound, per call: beyond its error bar the rerun does
+    # not compute what the forward did (randomness or state the class was vouched not to have)
+    reproduced: list[torch.Tensor] = field(default_factory=list)
 
 
 def leaves(obj: object) -> list[object]:
@@ -190,6 +205,9 @@ class _Call:
     versions: list[tuple[torch.Tensor, int]]
     autocast: tuple[str, bool, torch.dtype] | None
     held: tuple[torch.Tensor, int] | None = None  # the forward's output and its version (`one_sided`)
+    # a class of the caller's (`probed_kind`): the forward's output and its version, which a rerun with nothing
+    # moved must reproduce
+    original: tuple[torch.Tensor, int] | None = None
 
 
 # what a weight is asked without computing with it: not a use
@@ -266,8 +284,10 @@ class LocalProbe:
         params: dict[int, torch.Tensor],
         plan: dict[int, Move],
         one_sided: bool = False,
+        declared: tuple[type, ...] = (),
     ) -> None:
         self.model = model
+        self.declared = declared  # the caller's own probed classes (`probed_kind`)
         # a weight moved alone is measured against the output its call's forward computed (kept until its
         # gradient comes, while nothing writes it in place): one rerun instead of two. The module is affine
         # in each parameter alone, so y(w + h d) - y(w) is exact up to rounding; not for a set moved together
@@ -381,6 +401,8 @@ class LocalProbe:
             autocast = (device, True, torch.get_autocast_dtype(device))
         alone = [i for i, _ in planned if i not in self.escaped]
         held = (out, out._version) if self.one_sided and len(alone) == 1 else None
+        kind = _probed(module, self.declared) if self.declared else None
+        declared = kind is not None and kind[1]
         call = _Call(
             module=module,
             args=args,
@@ -391,6 +413,7 @@ class LocalProbe:
             versions=[(a, a._version) for a in inputs],
             autocast=autocast,
             held=held,
+            original=(out, out._version) if declared else None,
         )
         self._pending[id(call)] = call
         out.register_hook(self._on_grad(call))
@@ -414,7 +437,7 @@ class LocalProbe:
                     self.errors.append(f"{type(call.module).__name__}: {type(exc).__name__}: {exc}"[:300])
             finally:
                 self._pending.pop(id(call), None)
-                call.args, call.kwargs, call.held = (), {}, None
+                call.args, call.kwargs, call.held, call.original = (), {}, None, None
 
         return hook
 
@@ -426,6 +449,13 @@ class LocalProbe:
         ):
             self.failed.update(i for i, _ in call.accounted)
             return
+        reproduced: list[torch.Tensor] = []
+        if call.original is not None:
+            out, version = call.original
+            if out._version != version:  # written in place since: nothing to check the rerun against
+                self.failed.update(i for i, _ in call.accounted)
+                return
+            reproduced = list(_compare(self._forwards(call, [], (0.0,))[0], out.detach(), dy))
         sets: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for i, t in call.accounted:
             if i in self.escaped:  # its other use is not measured here: it stays where it is
@@ -442,6 +472,7 @@ class LocalProbe:
             sums.variance.append(var)
             sums.summing.append(summing)
             sums.sides.add(1 if base is not None else 2)
+            sums.reproduced += reproduced
 
     def _rerun(
         self,
@@ -452,8 +483,17 @@ class LocalProbe:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """<dy, y(w + h d) - y(w - h d)>, or <dy, y(w + h d) - base> where `base` is the forward's own output;
         the variance of its output rounding; and the bound on the rounding of that sum and of the reported
-        gradient's own reduction over the same terms (`SUM_ROUNDING`). The weights restored bit for bit
-        (through .data: their version counters, which autograd checks, do not move)."""
+        gradient's own reduction over the same terms (`SUM_ROUNDING`)."""
+        outs = self._forwards(call, members, (1.0,) if base is not None else (1.0, -1.0))
+        plus, minus = outs if base is None else (outs[0], base.detach())
+        return _compare(plus, minus, dy)
+
+    def _forwards(
+        self, call: _Call, members: list[tuple[int, torch.Tensor]], signs: tuple[float, ...]
+    ) -> list[torch.Tensor]:
+        """The call's output recomputed with its `members` moved by sign x h along their directions, per sign
+        (no members: as the forward computed it). The weights restored bit for bit (through .data: their
+        version counters, which autograd checks, do not move)."""
         starts = [t.data.clone() for _, t in members]
         directions = [self.plan[i].along(t) for i, t in members]  # a random one drawn once for both signs
         outs: list[torch.Tensor] = []
@@ -472,7 +512,7 @@ class LocalProbe:
                 if b is not None and storage_address(b) not in weights:
                     call.module._buffers[k] = b.detach().clone()
             with torch.no_grad(), ctx:
-                for sign in (1.0,) if base is not None else (1.0, -1.0):
+                for sign in signs:
                     for (i, t), start, d in zip(members, starts, directions, strict=True):
                         move_into(t.data, start, d, sign * self.plan[i].h)
                     out = call.module.forward(*call.args, **call.kwargs)
@@ -484,40 +524,14 @@ class LocalProbe:
                 t.data.copy_(start)
             call.module._buffers.update(originals)
             self.rerunning = False
-        plus, minus = outs if base is None else (outs[0], base.detach())
-        u = float(torch.finfo(plus.dtype).eps) / 2 if plus.dtype.is_floating_point else 0.0
-        g = dy.detach().reshape(-1)
-        p, m = plus.reshape(-1), minus.reshape(-1)
-        value: torch.Tensor | None = None
-        var: torch.Tensor | None = None
-        spread: torch.Tensor | None = None
-        for a in range(0, g.numel(), CHUNK):
-            # in fp32: y+ - y- is exact there for a half-precision output, and the dot's rounding is 2^-24
-            gg = g[a : a + CHUNK].float()
-            pp, mm = p[a : a + CHUNK], m[a : a + CHUNK]
-            diff = pp.to(torch.float32, copy=True).sub_(mm)
-            part = torch.dot(gg, diff)
-            part_spread = torch.dot(gg.abs(), diff.abs_())  # sum |dy (y+ - y-)|
-            del diff
-            gp, gm = gg * pp, gg * mm  # fp32 products: the error bar's sum of dy^2 y^2
-            part_var = torch.dot(gp, gp) + torch.dot(gm, gm)
-            del gp, gm
-            value = part if value is None else value + part
-            var = part_var if var is None else var + part_var
-            spread = part_spread if spread is None else spread + part_spread
-        if value is None or var is None or spread is None:
-            zero = torch.zeros((), device=g.device, dtype=torch.float64)
-            return zero, zero, zero
-        value, var = value.double(), var.double()
-        summing = spread.double() * (SUM_ROUNDING * math.log2(max(g.numel(), 2)))
-        return value, var * (u * u / 3), summing
+        return outs
 
     # -- installing --------------------------------------------------------------------------------------------
     @contextmanager
     def watching(self) -> Iterator[LocalProbe]:
         handles = []
         for module in self.model.modules():
-            if probed_kind(module) is None:
+            if probed_kind(module, self.declared) is None:
                 continue
             handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))
@@ -548,6 +562,39 @@ class LocalProbe:
         return i not in self.escaped and i not in self.failed and i not in self.bypassed
 
 
+def _compare(
+    plus: torch.Tensor, minus: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """<dy, plus - minus> (fp64 device scalars), the variance of the output rounding in it and the bound on the
+    rounding of that sum (`LocalProbe._rerun`)."""
+    u = float(torch.finfo(plus.dtype).eps) / 2 if plus.dtype.is_floating_point else 0.0
+    g = dy.detach().reshape(-1)
+    p, m = plus.reshape(-1), minus.reshape(-1)
+    value: torch.Tensor | None = None
+    var: torch.Tensor | None = None
+    spread: torch.Tensor | None = None
+    for a in range(0, g.numel(), CHUNK):
+        # in fp32: y+ - y- is exact there for a half-precision output, and the dot's rounding is 2^-24
+        gg = g[a : a + CHUNK].float()
+        pp, mm = p[a : a + CHUNK], m[a : a + CHUNK]
+        diff = pp.to(torch.float32, copy=True).sub_(mm)
+        part = torch.dot(gg, diff)
+        part_spread = torch.dot(gg.abs(), diff.abs_())  # sum |dy (y+ - y-)|
+        del diff
+        gp, gm = gg * pp, gg * mm  # fp32 products: the error bar's sum of dy^2 y^2
+        part_var = torch.dot(gp, gp) + torch.dot(gm, gm)
+        del gp, gm
+        value = part if value is None else value + part
+        var = part_var if var is None else var + part_var
+        spread = part_spread if spread is None else spread + part_spread
+    if value is None or var is None or spread is None:
+        zero = torch.zeros((), device=g.device, dtype=torch.float64)
+        return zero, zero, zero
+    value, var = value.double(), var.double()
+    summing = spread.double() * (SUM_ROUNDING * math.log2(max(g.numel(), 2)))
+    return value, var * (u * u / 3), summing
+
+
 def prediction(start: torch.Tensor, move: Move, grad: torch.Tensor, sides: int = 2) -> torch.Tensor:
     """<reported gradient, the weight's move from -h to +h> (from the start to +h: `sides` 1) with the moves
     rounded exactly as the hook rounded them (an fp64 scalar on the device; fp32 scratch of CHUNK elements)."""
@@ -574,6 +621,12 @@ class LocalVerdict:
     error: float | None
     # ok | deviates | lost | wrong | scaled | unused | moves | unknown (unused: no effect either way)
     verdict: str
+
+
+def reproduces(measured: float, variance: float, summing: float) -> bool:
+    """A rerun with nothing moved against the forward's own output (`_compare`): the same within the output's
+    rounding error bar (as `judge` reads a change: SIGMAS standard deviations and the sum's rounding)."""
+    return math.isfinite(measured) and abs(measured) <= SIGMAS * math.sqrt(max(variance, 0.0)) + summing
 
 
 def judge(

@@ -33,6 +33,10 @@ LOCAL_EXPLAINED = frozenset(
 )
 UNSURE = 0.5  # a screened set is judged again where one of its weights could hide a factor of 1.5 (or 0.5)
 BYPASSED = "its module's hooks called by a fused implementation"
+# a module_fd_classes class whose rerun with nothing moved does not give its forward's output
+IRREPRODUCIBLE = (
+    "its module's rerun does not reproduce its forward (randomness or state in a module_fd_classes class)"
+)
 BOUND_ENOUGH = 0.25  # a weight the loss-level probe bounds within x1.25 is not screened on its module
 
 
@@ -40,8 +44,9 @@ class LocalFD:
     """The module-local finite differences of one preflight call: on a single process (a shard is not what a
     module computes with), for the wrappers whose module tensors `Adapter.module_tensors` finds."""
 
-    def __init__(self, check: Check, module_fd: bool) -> None:
+    def __init__(self, check: Check, module_fd: bool, declared: tuple[type, ...] = ()) -> None:
         self.check = check
+        self.declared = declared  # the caller's own probed module classes (`local.probed_kind`)
         self.on = (
             check.finite_differences
             and module_fd
@@ -79,7 +84,7 @@ class LocalFD:
             i
             for i in zero
             if id(check.entries[i].raw_param) in self.weights
-            and local.probed_kind(check.owners.get(id(check.entries[i].raw_param))) is not None
+            and local.probed_kind(check.owners.get(id(check.entries[i].raw_param)), self.declared) is not None
         ]
         deferred = set(self.deferred)
         return [i for i in zero if i not in deferred]
@@ -99,7 +104,7 @@ class LocalFD:
             if (
                 t is None
                 or type(t) is not torch.nn.Parameter
-                or local.probed_kind(owner) is None
+                or local.probed_kind(owner, self.declared) is None
                 or i in check.fp8_entries
             ):
                 out.append(i)
@@ -176,7 +181,7 @@ class LocalFD:
                 )
         if not plan:
             return None
-        return local.LocalProbe(self.check.model, self.params, plan, one_sided=True)
+        return local.LocalProbe(self.check.model, self.params, plan, one_sided=True, declared=self.declared)
 
     def plan_refinement(self, flats: list[torch.Tensor | None], k: int) -> None:
         """After the last single (the copy now the sum of the singles, S): the moves of the weights to judge
@@ -232,7 +237,7 @@ class LocalFD:
                 )
         if not plan:
             return None
-        return local.LocalProbe(self.check.model, self.params, plan)
+        return local.LocalProbe(self.check.model, self.params, plan, declared=self.declared)
 
     def _balanced(self, members: list[int], gnorm: dict[int, float]) -> dict[int, float]:
         """Relative steps for weights moved together. The change a weight predicts at relative step eps is about
@@ -297,12 +302,18 @@ class LocalFD:
         # per set: where its reruns' measured sums, variances and rounding bounds start in `values`, how many
         # (each a device scalar: they are added on the host, not with two launches per set)
         starts: list[tuple[int, int]] = []
+        # per set: where its declared calls' reproductions start in `values` (value, variance, rounding per call)
+        # and how many values
+        reproductions: list[tuple[int, int]] = []
         for members, keys in sets:
             sums = [probe.sums[key] for key in keys]
             starts.append((len(values), sum(len(x.measured) for x in sums)))
             values += [v for x in sums for v in x.measured]
             values += [v for x in sums for v in x.variance]
             values += [v for x in sums for v in x.summing]
+            reproduced = [v for x in sums for v in x.reproduced]
+            reproductions.append((len(values), len(reproduced)))
+            values += reproduced
             sides = {n for key in keys for n in probe.sums[key].sides}
             for i in members:
                 g = reported[i]
@@ -316,7 +327,10 @@ class LocalFD:
                 )
         host = stack_to_host(values)
         self.check.syncs += 1
-        for (members, _), (at, n) in zip(sets, starts, strict=True):
+        for (members, _), (at, n), (r, m) in zip(sets, starts, reproductions, strict=True):
+            if not all(local.reproduces(*host[k : k + 3]) for k in range(r, r + m, 3)):
+                self.not_judged.setdefault(IRREPRODUCIBLE, set()).update(members)
+                continue
             measured, variance, summing = (math.fsum(host[at + k * n : at + (k + 1) * n]) for k in range(3))
             p = {i: host[preds[i]] for i in members if i in preds}
             zero = all(probe.plan[i].direction is None for i in members)

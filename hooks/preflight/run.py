@@ -90,6 +90,7 @@ def preflight(
     fd_step: float | None = None,
     fd_rtol: float | None = None,
     module_fd: bool = True,
+    module_fd_classes: Sequence[type[torch.nn.Module]] = (),
     rtol: float | None = None,
     max_microbatches: int = MAX_MICROBATCHES,
     rng_states: Sequence[RngPair] = (),
@@ -100,24 +101,28 @@ def preflight(
     label: str | None = None,
 ) -> PreflightResult:
     """Check gradient accumulation and the gradient itself on `model` (already wrapped), with the training
-        code's own micro-batch.
+    code's own micro-batch.
 
-        run_microbatch(model, batch): forward + backward of one micro-batch, as in training.
-        batches: the micro-batches of one step, all of them used (a list longer than `max_microbatches` is an
-        error, an iterator is read up to it); at least 3 distinct ones rule out periodic errors (fewer: a warning).
-        loss_fn(model, batch): the loss without backward, for the finite differences (without it they call
-        run_microbatch and read its return value: one backward more per evaluation).
-        wrapper: "auto" (duck typing), "megatron-fsdp", "megatron-ddp", "fsdp2", "plain", or an Adapter.
-        params: fnmatch patterns over parameter names (wrapper prefixes `module.` removed) to judge; default all.
-        finite_differences: compare with the loss's derivative; fd_groups: "mechanism" (default), "module_type",
-        "param" (the starting groups; deviating groups are bisected anyway); fd_step: the first relative step
+    run_microbatch(model, batch): forward + backward of one micro-batch, as in training.
+    batches: the micro-batches of one step, all of them used (a list longer than `max_microbatches` is an
+    error, an iterator is read up to it); at least 3 distinct ones rule out periodic errors (fewer: a warning).
+    loss_fn(model, batch): the loss without backward, for the finite differences (without it they call
+    run_microbatch and read its return value: one backward more per evaluation).
+    wrapper: "auto" (duck typing), "megatron-fsdp", "megatron-ddp", "fsdp2", "plain", or an Adapter.
+    params: fnmatch patterns over parameter names (wrapper prefixes `module.` removed) to judge; default all.
+    finite_differences: compare with the loss's derivative; fd_groups: "mechanism" (default), "module_type",
+    "param" (the starting groups; deviating groups are bisected anyway); fd_step: the first relative step
     (default: from the measured noise and each group's predicted change);
-        fd_rtol: accepted factor 1 + fd_rtol beyond the error bar (default 16 units of the compute dtype's
-        round-off). module_fd: also judge the weights of Linear-like modules on their own module's output
-        (module-local finite differences, `local.py`; where the loss-level probe bounds a weight loosely). rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state)
-        pairs to reset before every micro-batch. sinks, run, rank, commit: as for install(); label: a name.
-        Returns a PreflightResult; it never raises for what the model does (an exception from the micro-batch is
-        the result's `error`), only for bad arguments.
+    fd_rtol: accepted factor 1 + fd_rtol beyond the error bar (default 16 units of the compute dtype's
+    round-off). module_fd: also judge the weights of Linear-like modules on their own module's output
+    (module-local finite differences, `local.py`; where the loss-level probe bounds a weight loosely).
+    module_fd_classes: your own module classes judged that way too (a fork's norm-and-linear module): each
+    must compute its output from its inputs and its own parameters only, affine in each parameter or a
+    product of two of them, with no randomness and nothing written (it is rerun inside the backward).
+    rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state) pairs to
+    reset before every micro-batch. sinks, run, rank, commit: as for install(); label: a name.
+    Returns a PreflightResult; it never raises for what the model does (an exception from the micro-batch is
+    the result's `error`), only for bad arguments.
     """
     from maingrad.hooks.records import RunMeta
     from maingrad.hooks.settings import resolve_commit, resolve_rank, resolve_run
@@ -137,6 +142,10 @@ def preflight(
         raise ValueError("fd_rtol must be > 0")
     if rtol is not None and not (rtol > 0.0):
         raise ValueError("rtol must be > 0")
+    declared = tuple(module_fd_classes)
+    for cls in declared:
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise TypeError(f"module_fd_classes must hold torch.nn.Module subclasses, got {cls!r}")
     warnings: list[str] = []
     if isinstance(batches, Sequence):
         taken = list(batches)
@@ -175,6 +184,7 @@ def preflight(
         fd_step=fd_step,
         fd_rtol=fd_rtol,
         module_fd=module_fd,
+        module_fd_classes=declared,
         rtol=rtol,
         rng_states=rng_states,
     )

@@ -1121,21 +1121,35 @@ def build(case: WildCase, seed: int, bug: str | None) -> tuple[nn.Module, str | 
     return model, name
 
 
+# batch E's own module classes whose forward is affine in each parameter (or a product of two: a norm's weight
+# times a linear weight), computed from their inputs and parameters alone: what a fork would pass as
+# `module_fd_classes` (not GroupedExperts: a SiLU between its two weights)
+DECLARED = (LNLinear, RowLinear, OutputLayer, ZeroCenteredRMSNorm, TransposedLinear)
+
 PASSING = ("pass", "stateful-inconclusive")  # the grades a correct model may get
 CAUGHT = ("named", "visible-miss")  # the grades a bug may get
 
 
-def grade(name: str, seed: int, bug: str | None) -> tuple[str, PreflightResult, str | None]:
+def grade(
+    name: str, seed: int, bug: str | None, declared: bool = False
+) -> tuple[str, PreflightResult, str | None]:
     """One call on a case, graded (with the result and the bug's target). A correct model: `pass`, or
     `stateful-inconclusive` (a stateful forward, inconclusive only on account of the buffers it writes), else
     `inconclusive`, `error` or `false-alarm`. A bug: `wrong-blame` (another parameter named), `named` (on its
     parameter with the anomaly its kind must get; a scalar's singles are parallel, so which were kept cannot be
     told, only that the sum is off), `wrong-verdict`, `visible-miss` (only of a bug the finite differences must
     find, the runs name every accumulation bug, and visible on the parameter: inconclusive, or its
-    `fd_resolution` admits the factor; a zeroed gradient never `unused`) or `silent-miss`."""
+    `fd_resolution` admits the factor; a zeroed gradient never `unused`) or `silent-miss`. `declared`: with
+    `module_fd_classes=DECLARED`."""
     case = CASES[name]
     model, target = build(case, seed, bug)
-    result = preflight(model, microbatch(case.loss), case.batches(3, seed), loss_fn=case.loss)
+    result = preflight(
+        model,
+        microbatch(case.loss),
+        case.batches(3, seed),
+        loss_fn=case.loss,
+        module_fd_classes=DECLARED if declared else (),
+    )
     if bug is None:
         unsure = [p for p in result.params if p.inconclusive]
         if result.status == "pass":

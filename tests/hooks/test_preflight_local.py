@@ -323,3 +323,91 @@ def test_weights_are_judged_on_their_modules_under_megatron_fsdp(strategy: str) 
     assert _anomalies(result) == {"blocks.1.ln1.bias": ["grad_scaled"]}, result.table()
     target = next(p for p in result.params if p.name == "blocks.1.ln1.bias")
     assert target.fd_probe == "module blocks.1.ln1" and abs(target.fd_scale - 2) <= 0.02, result.table()
+
+
+class ForkLNLinear(nn.Module):
+    """A norm and a linear in one module, as a fork writes TE's LayerNormLinear (not a class preflight knows)."""
+
+    def __init__(self, din: int, dout: int, noise: float = 0.0, inference_path: bool = False) -> None:
+        super().__init__()
+        self.noise, self.inference_path = noise, inference_path
+        self.layer_norm_weight = nn.Parameter(torch.ones(din))
+        self.layer_norm_bias = nn.Parameter(torch.zeros(din))
+        self.weight = nn.Parameter(torch.randn(dout, din) / din**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias)
+        h = torch.nn.functional.dropout(h, self.noise, self.training)  # randomness it was vouched not to have
+        if self.inference_path and not torch.is_grad_enabled():  # another computation without autograd
+            return torch.nn.functional.linear(h.bfloat16(), self.weight.bfloat16()).float()
+        return torch.nn.functional.linear(h, self.weight)
+
+
+class ForkNet(nn.Module):
+    def __init__(self, **kwargs: float) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.fork = ForkLNLinear(16, 32, **kwargs)  # type: ignore[arg-type]
+        self.out = nn.Linear(32, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nn.functional.gelu(self.fork(self.inp(x))))
+
+
+def _fork(declared: tuple[type, ...] = (ForkLNLinear,), bug: str | None = None, **kwargs: float) -> object:
+    torch.manual_seed(0)
+    model = ForkNet(**kwargs)
+    if bug is not None:
+        dict(model.named_parameters())[bug].register_hook(lambda g: 2 * g)
+    return preflight(model, microbatch(mse), regression_batches(3), loss_fn=mse, module_fd_classes=declared)
+
+
+def test_a_declared_class_is_probed_on_the_same_terms_as_a_known_one() -> None:
+    class Inherits(ForkLNLinear):
+        pass
+
+    class Rewrites(ForkLNLinear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    patched = ForkLNLinear(4, 4)
+    patched.forward = lambda x: x  # type: ignore[method-assign]
+    declared = (ForkLNLinear,)
+    assert probed_kind(ForkLNLinear(4, 4)) is None  # not declared: not probed
+    assert probed_kind(ForkLNLinear(4, 4), declared) == "ForkLNLinear"
+    assert probed_kind(Inherits(4, 4), declared) == "ForkLNLinear"
+    assert probed_kind(Rewrites(4, 4), declared) is None and probed_kind(patched, declared) is None
+    assert probed_kind(ForkNet(), (ForkNet,)) is None  # holds children with parameters
+    assert probed_kind(nn.Linear(4, 4), declared) == "Linear"  # the known ones stay
+
+
+def test_a_declared_class_weights_are_judged_on_their_module() -> None:
+    correct = _fork()
+    assert correct.ok, correct.table()
+    fork = {p.name: p for p in correct.params if p.name.startswith("fork.")}
+    assert all(p.fd_probe == "module fork" or p.fd_resolution for p in fork.values()), correct.table()
+    result = _fork(bug="fork.layer_norm_bias")
+    assert _anomalies(result) == {"fork.layer_norm_bias": ["grad_scaled"]}, result.table()
+    target = next(p for p in result.params if p.name == "fork.layer_norm_bias")
+    assert target.fd_probe == "module fork" and abs(target.fd_scale - 2) < 0.1, result.table()
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"noise": 0.1}, {"inference_path": True}], ids=["dropout", "inference-path"]
+)
+def test_a_declared_class_that_does_not_reproduce_its_forward_is_not_judged_there(kwargs: dict) -> None:
+    """A class declared wrongly (dropout inside; another computation where autograd is off, as the reruns run):
+    its rerun with nothing moved differs from the forward's output, so its weights are not judged on it (no
+    false alarm from the rerun's own difference), and the result says why."""
+    result = _fork(**kwargs)
+    assert not any(_anomalies(result).values()), result.table()
+    reasons = result.local["not_judged"]  # type: ignore[attr-defined]
+    assert any("does not reproduce its forward" in r for r in reasons), result.local  # type: ignore[attr-defined]
+    assert "does not reproduce its forward" in result.table()  # type: ignore[attr-defined]
+
+
+def test_module_fd_classes_must_be_module_classes() -> None:
+    with pytest.raises(TypeError, match="module_fd_classes"):
+        _fork(declared=(ForkLNLinear(4, 4),))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="module_fd_classes"):
+        _fork(declared=(int,))

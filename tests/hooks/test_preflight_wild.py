@@ -8,7 +8,19 @@ miss (the misses the population found are held as such: `KNOWN_MISSES`)."""
 from __future__ import annotations
 
 import pytest
-from preflight_wild import BUGS_OF, CASES, CAUGHT, HELD_OUT_SEEDS, KNOWN_MISSES, PASSING, SEEDS, grade
+from preflight_wild import (
+    BUGS,
+    BUGS_OF,
+    CASES,
+    CAUGHT,
+    DECLARED,
+    HELD_OUT_SEEDS,
+    KNOWN_MISSES,
+    PASSING,
+    SEEDS,
+    build,
+    grade,
+)
 
 
 def _cases(seeds: dict[str, tuple[int, ...]]) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
@@ -51,3 +63,35 @@ def buggy_params(late: bool) -> list[object]:
 def test_a_bug_is_named_on_its_parameter_or_visibly_missed(name: str, seed: int, bug: str) -> None:
     verdict, result, target = grade(name, seed, bug)
     assert verdict in CAUGHT, f"{verdict} ({bug} on {target})\n{result.table()}"
+
+
+def declared_params() -> list[object]:
+    """Batch E's cases (correct and buggy, both seed sets), for the run with its own module classes declared."""
+    out: list[object] = []
+    for prefix, seeds in (("", SEEDS), ("held-out-", HELD_OUT_SEEDS)):
+        for n, case in CASES.items():
+            if case.batch != "E":
+                continue
+            for s in seeds["E"]:
+                for b in (None, *BUGS_OF["E"]):
+                    why = KNOWN_MISSES.get((n, s, b, False)) if b else None
+                    marks = [pytest.mark.xfail(strict=True, reason=f"known miss: {why}")] if why else []
+                    out.append(pytest.param(n, s, b, marks=marks, id=f"{prefix}{n}-{s}-{b or 'correct'}"))
+    return out
+
+
+@pytest.mark.parametrize(("name", "seed", "bug"), declared_params())
+def test_declared_module_classes_are_judged_on_their_output(name: str, seed: int, bug: str | None) -> None:
+    """With batch E's own norm-and-linear, skipped-bias, output-layer, zero-centred-norm and transposed modules
+    passed as `module_fd_classes`: a correct model still passes, and a wrong factor on a weight of one of
+    those modules is named (without them most of those misses are visible: the loss cannot resolve a norm's
+    bias)."""
+    verdict, result, target = grade(name, seed, bug, declared=True)
+    if bug is None:
+        assert verdict in PASSING, f"{verdict}\n{result.table()}"
+        return
+    assert verdict in CAUGHT, f"{verdict} ({bug} on {target})\n{result.table()}"
+    model, _ = build(CASES[name], seed, None)
+    owner = model.get_submodule(target.rpartition(".")[0]) if target and "." in target else model
+    if isinstance(owner, DECLARED) and BUGS[bug][2] is not None:
+        assert verdict == "named", f"{verdict} ({bug} on {target})\n{result.table()}"
