@@ -1,7 +1,7 @@
 """Grades of maingrad.hooks.preflight on the CPU populations, as counts (the tests only pass or fail).
 
     python3 benchmarks/preflight_population.py [--seeds tuned|held-out] [--batches ABCDE] [--late]
-                                               [--jsonl FILE]
+                                               [--declared] [--jsonl FILE]
 
 Every case of `tests/hooks/preflight_wild.py` (architectures of the chosen batches x their seeds x correct
 and each bug kind of the batch) is run once and graded by `preflight_wild.grade`, as the tests grade it:
@@ -12,6 +12,7 @@ anomaly), `visible-miss` (the parameter inconclusive, or its fd_resolution admit
 weight always stays in the loss-level probe to 64 elements, so that most models take the path where that probe
 waits for the module-local screening. Prints the counts, the cases that are neither passing, named nor
 visibly missed, and the loss evaluations and module reruns of the correct models (the passing path's cost).
+`--declared` passes batch E's own module classes as `module_fd_classes` (`preflight_wild.DECLARED`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from preflight_wild import BUGS_OF, CASES, CAUGHT, HELD_OUT_SEEDS, PASSING, SEED
 from maingrad.hooks.preflight import check as check_module  # noqa: E402
 
 
-def graded_row(name: str, seed: int, bug: str | None) -> dict:
-    verdict, result, target = grade(name, seed, bug)
+def graded_row(name: str, seed: int, bug: str | None, declared: bool) -> dict:
+    verdict, result, target = grade(name, seed, bug, declared=declared)
     return {
         "case": name,
         "seed": seed,
@@ -52,6 +53,7 @@ def main() -> int:
     parser.add_argument("--seeds", choices=("tuned", "held-out"), default="held-out")
     parser.add_argument("--batches", default="ABCDE")
     parser.add_argument("--late", action="store_true")
+    parser.add_argument("--declared", action="store_true")
     parser.add_argument("--jsonl")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -65,12 +67,13 @@ def main() -> int:
         for seed in seeds[case.batch]
         for bug in (None, *BUGS_OF[case.batch])
     ]
-    rows = [graded_row(*job) for job in jobs]
+    rows = [graded_row(*job, declared=args.declared) for job in jobs]
     if args.jsonl:
         Path(args.jsonl).write_text("".join(json.dumps(row) + "\n" for row in rows))
     counts = collections.Counter(row["grade"] for row in rows)
     print(
-        f"{len(rows)} calls ({args.seeds} seeds, batches {args.batches}{', late path forced' if args.late else ''})"
+        f"{len(rows)} calls ({args.seeds} seeds, batches {args.batches}"
+        f"{', late path forced' if args.late else ''}{', module classes declared' if args.declared else ''})"
     )
     print("  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     correct = [row for row in rows if row["bug"] is None]

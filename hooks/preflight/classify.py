@@ -37,6 +37,8 @@ def local_summary(check: Check) -> dict[str, Any]:
     if outside:
         not_judged["not in a probed module (or no gradient to compare)"] = len(outside)
     out: dict[str, Any] = {"on": True, "judged": len(judged), "verdicts": counts, "not_judged": not_judged}
+    if check.local_fd.declared:  # the caller's classes, taken on its word (and their reruns' reproduction)
+        out["declared"] = [cls.__qualname__ for cls in check.local_fd.declared]
     if check.local_fd.errors:
         out["errors"] = list(check.local_fd.errors)
     if check.local_fd.escapes:  # a few examples: the weight and the function that used it outside

@@ -142,7 +142,7 @@ class PreflightResult:
     warnings: list[str] = field(default_factory=list)
     fixes: dict[str, str] = field(default_factory=dict)  # anomaly code -> fix for this wrapper
     # module-local finite differences: {"on": bool, "judged": n, "verdicts": {verdict: n}, "not_judged":
-    # {reason: n}}
+    # {reason: n}}, and where given "declared": the module_fd_classes' names, "errors", "used_outside"
     local: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -287,6 +287,10 @@ class PreflightResult:
                 f"module's output ({verdicts or 'none'})"
                 + (f"; not judged there: {skipped}" if skipped else "")
             )
+            if self.local.get("declared"):
+                lines.append(
+                    "    probed as declared (module_fd_classes): " + ", ".join(self.local["declared"])
+                )
             lines.extend(f"    a module rerun failed: {e}" for e in self.local.get("errors", []))
             outside = self.local.get("used_outside", {})
             if outside:

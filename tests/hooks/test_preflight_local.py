@@ -390,6 +390,11 @@ def test_a_declared_class_weights_are_judged_on_their_module() -> None:
     assert _anomalies(result) == {"fork.layer_norm_bias": ["grad_scaled"]}, result.table()
     target = next(p for p in result.params if p.name == "fork.layer_norm_bias")
     assert target.fd_probe == "module fork" and abs(target.fd_scale - 2) < 0.1, result.table()
+    assert result.local["declared"] == ["ForkLNLinear"]  # type: ignore[attr-defined]
+    assert "probed as declared (module_fd_classes): ForkLNLinear" in result.table()  # type: ignore[attr-defined]
+    undeclared = _fork(declared=(), bug="fork.layer_norm_bias")  # the loss alone: a visible miss at best
+    assert "declared" not in undeclared.local  # type: ignore[attr-defined]
+    assert next(p for p in undeclared.params if p.name == "fork.layer_norm_bias").fd_probe != "module fork"
 
 
 @pytest.mark.parametrize(
