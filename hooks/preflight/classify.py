@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from maingrad.contracts.anomalies import PREFLIGHT_ANOMALIES
-from maingrad.hooks.preflight import judge
+from maingrad.hooks.preflight import judge, local
 from maingrad.hooks.preflight.measure import E_MAX
 
 if TYPE_CHECKING:
@@ -37,6 +37,9 @@ def local_summary(check: Check) -> dict[str, Any]:
     if outside:
         not_judged["not in a probed module (or no gradient to compare)"] = len(outside)
     out: dict[str, Any] = {"on": True, "judged": len(judged), "verdicts": counts, "not_judged": not_judged}
+    own = _own_classes(check, [i for i in range(len(check.entries)) if i not in check.local_fd.verdicts])
+    if own:
+        out["own_classes"] = own
     if check.local_fd.declared:  # the caller's classes, taken on its word (and their reruns' reproduction)
         out["declared"] = [cls.__qualname__ for cls in check.local_fd.declared]
     if check.local_fd.errors:
@@ -46,6 +49,28 @@ def local_summary(check: Check) -> dict[str, Any]:
             check.entries[i].name: how for i, how in islice(sorted(check.local_fd.escapes.items()), 3)
         }
     return out
+
+
+def _own_classes(check: Check, indexes: list[int]) -> dict[str, int]:
+    """Of these weights (those without a module-local verdict: judged by the loss alone): how many sit directly
+    in a module that is not probed, of a class from outside torch, Transformer Engine and megatron-core, that
+    holds no child with parameters (a fork's own norm-and-linear module), by class, most first: the candidates
+    for `module_fd_classes`."""
+    counts: dict[str, int] = {}
+    for i in indexes:
+        owner = check.owners.get(id(check.entries[i].raw_param))
+        if (
+            owner is None
+            or owner is check.model
+            or type(owner).__module__.startswith(local.ORIGINS)
+            or local.probed_kind(owner, check.local_fd.declared) is not None
+        ):
+            continue
+        if any(p is not None for child in owner.children() for p in child.parameters()):
+            continue
+        name = type(owner).__qualname__
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def judge_repeat(check: Check, suspects: list[int], host: dict[str, list[float | None]]) -> None:

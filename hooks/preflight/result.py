@@ -142,7 +142,9 @@ class PreflightResult:
     warnings: list[str] = field(default_factory=list)
     fixes: dict[str, str] = field(default_factory=dict)  # anomaly code -> fix for this wrapper
     # module-local finite differences: {"on": bool, "judged": n, "verdicts": {verdict: n}, "not_judged":
-    # {reason: n}}, and where given "declared": the module_fd_classes' names, "errors", "used_outside"
+    # {reason: n}}, and where given "own_classes": {class: weights} judged by the loss alone in modules of the
+    # caller's own classes (`classify._own_classes`), "declared": the module_fd_classes' names, "errors",
+    # "used_outside"
     local: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -287,6 +289,14 @@ class PreflightResult:
                 f"module's output ({verdicts or 'none'})"
                 + (f"; not judged there: {skipped}" if skipped else "")
             )
+            own = self.local.get("own_classes", {})
+            if own:
+                lines.append(
+                    "    judged by the loss alone, in modules of your own classes: "
+                    + ", ".join(f"{name} ({n})" for name, n in list(own.items())[:4])
+                    + (", ..." if len(own) > 4 else "")
+                    + "; pass those whose forward is affine in each parameter and pure as module_fd_classes="
+                )
             if self.local.get("declared"):
                 lines.append(
                     "    probed as declared (module_fd_classes): " + ", ".join(self.local["declared"])

@@ -394,6 +394,10 @@ def test_a_declared_class_weights_are_judged_on_their_module() -> None:
     assert "probed as declared (module_fd_classes): ForkLNLinear" in result.table()  # type: ignore[attr-defined]
     undeclared = _fork(declared=(), bug="fork.layer_norm_bias")  # the loss alone: a visible miss at best
     assert "declared" not in undeclared.local  # type: ignore[attr-defined]
+    # the table points at the class as a candidate (its 3 weights judged by the loss alone); not once declared
+    assert undeclared.local["own_classes"] == {"ForkLNLinear": 3}  # type: ignore[attr-defined]
+    assert "modules of your own classes: ForkLNLinear (3)" in undeclared.table()  # type: ignore[attr-defined]
+    assert "own_classes" not in result.local  # type: ignore[attr-defined]
     assert next(p for p in undeclared.params if p.name == "fork.layer_norm_bias").fd_probe != "module fork"
 
 
