@@ -753,7 +753,17 @@ def main() -> None:
         "--cost", type=int, default=0, help="instead: N interleaved rounds of steps and preflight calls"
     )
     p.add_argument("--scan", action="store_true", help="instead: every group's estimate at every step")
+    p.add_argument(
+        "--end-to-end-max",
+        type=int,
+        default=None,
+        help="preflight's END_TO_END_MAX (0: the loss-level probe runs first and moves every weight)",
+    )
     args = p.parse_args()
+    if args.end_to_end_max is not None:
+        from maingrad.hooks.preflight import check as check_module
+
+        check_module.END_TO_END_MAX = args.end_to_end_max
     names: list[str] = []
     for c in args.cases:
         names += [x.name for x in ZOO] if c == "zoo" else [x.name for x in BUGS] if c == "bugs" else [c]
