@@ -14,7 +14,7 @@ No target is asserted here; the GPU numbers are the lead's (benchmarks/gpu/prefl
 
 A second table compares, on a wider GPT (3.3M parameters: weights above the 65,536 elements under which a
 weight always stays in the loss-level probe), the loss-level probe that waits for the module-local screening
-(the default there) with the one that runs first and moves every weight (`END_TO_END_MAX` set to 0), interleaved
+(`check.AFTER_SCREENING` on) with the one that runs first and moves every weight (the default), interleaved
 in one run: the elements the probe on the first micro-batch's loss moved, the loss forwards, the module reruns
 and the wall time over one training step. On the CPU the forwards' arithmetic, not their launching, is most of a
 call, so the ratio says less about the GPU than the elements moved do.
@@ -104,15 +104,15 @@ def late_against_first(rounds: int) -> list[dict]:
     run = microbatch(cross_entropy)
     batches = token_batches(3, vocab=512, seq=64)
     opt = torch.optim.SGD(twin.parameters(), lr=0.0)
-    default = check_module.END_TO_END_MAX
-    modes = {"after screening": default, "first": 0}
+    default = check_module.AFTER_SCREENING
+    modes = {"after screening": True, "first": False}
     ratios: dict[str, list[float]] = {m: [] for m in modes}
     last: dict[str, dict] = {}
     elements = sum(p.numel() for p in model.parameters())
     try:
         for _ in range(rounds):
-            for mode, threshold in modes.items():
-                check_module.END_TO_END_MAX = threshold
+            for mode, after in modes.items():
+                check_module.AFTER_SCREENING = after
                 t0 = time.perf_counter()
                 _step(twin, run, batches, opt)
                 t1 = time.perf_counter()
@@ -121,7 +121,7 @@ def late_against_first(rounds: int) -> list[dict]:
                 ratios[mode].append((t2 - t1) / (t1 - t0))
                 last[mode] = {"status": result.status, **result.cost}
     finally:
-        check_module.END_TO_END_MAX = default
+        check_module.AFTER_SCREENING = default
     return [
         {
             "loss-level probe": mode,
@@ -188,11 +188,11 @@ def dispatched_ops() -> list[dict]:
     with _Ops() as ops:
         _step(model, run, batches, opt)
     step = ops.count
-    default = check_module.END_TO_END_MAX
+    default = check_module.AFTER_SCREENING
     rows = []
     try:
-        for mode, threshold in {"after screening": default, "first": 0}.items():
-            check_module.END_TO_END_MAX = threshold
+        for mode, after in {"after screening": True, "first": False}.items():
+            check_module.AFTER_SCREENING = after
             ops = _Ops()
             clock = run_module.time
             run_module.time = SimpleNamespace(perf_counter=lambda ops=ops: float(ops.count))
@@ -213,7 +213,7 @@ def dispatched_ops() -> list[dict]:
                 }
             )
     finally:
-        check_module.END_TO_END_MAX = default
+        check_module.AFTER_SCREENING = default
     return rows
 
 

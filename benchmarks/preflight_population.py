@@ -8,8 +8,9 @@ and each bug kind of the batch) is run once and graded by `preflight_wild.grade`
 correct models `pass` (or `stateful-inconclusive`: inconclusive only on account of buffers the forward
 writes), else `inconclusive`, `error` or `false-alarm`; bugs `named` (on their parameter, with their
 anomaly), `visible-miss` (the parameter inconclusive, or its fd_resolution admits the factor), `wrong-blame`
-(another parameter named), `wrong-verdict` or `silent-miss`. `--late` lowers the threshold under which a
-weight always stays in the loss-level probe to 64 elements, so that most models take the path where that probe
+(another parameter named), `wrong-verdict` or `silent-miss`. `--late` turns on the loss-level probe after the
+screening (`check.AFTER_SCREENING`, off by default) and lowers the threshold under which a weight always stays in
+that probe to 64 elements, so that most models take the path where that probe
 waits for the module-local screening. Prints the counts, the cases that are neither passing, named nor
 visibly missed, and the loss evaluations and module reruns of the correct models (the passing path's cost).
 `--declared` passes batch E's own module classes as `module_fd_classes` (`preflight_wild.DECLARED`).
@@ -58,6 +59,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.late:
+        check_module.AFTER_SCREENING = True
         check_module.END_TO_END_MAX = 64
     seeds = SEEDS if args.seeds == "tuned" else HELD_OUT_SEEDS
     jobs = [

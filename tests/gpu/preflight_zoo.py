@@ -754,16 +754,15 @@ def main() -> None:
     )
     p.add_argument("--scan", action="store_true", help="instead: every group's estimate at every step")
     p.add_argument(
-        "--end-to-end-max",
-        type=int,
-        default=None,
-        help="preflight's END_TO_END_MAX (0: the loss-level probe runs first and moves every weight)",
+        "--after-screening",
+        action="store_true",
+        help="the loss-level probe after the module-local screening (check.AFTER_SCREENING, off by default)",
     )
     args = p.parse_args()
-    if args.end_to_end_max is not None:
+    if args.after_screening:
         from maingrad.hooks.preflight import check as check_module
 
-        check_module.END_TO_END_MAX = args.end_to_end_max
+        check_module.AFTER_SCREENING = True
     names: list[str] = []
     for c in args.cases:
         names += [x.name for x in ZOO] if c == "zoo" else [x.name for x in BUGS] if c == "bugs" else [c]

@@ -1,5 +1,5 @@
-"""The probe on the first micro-batch's loss after the module-local screening (`Check.plan_loss_level`): where
-the weights the screening cannot judge and the small ones fit in a quarter of the copy, the loss-level probe
+"""The probe on the first micro-batch's loss after the module-local screening (`Check.plan_loss_level`, on with
+`check.AFTER_SCREENING`, off by default): where the weights the screening cannot judge and the small ones fit in a quarter of the copy, the loss-level probe
 moves only those, along copies kept from before the second single; the weights judged on their own module are
 not moved. Models here have weights above `END_TO_END_MAX` elements, so that path runs on the CPU."""
 
@@ -22,6 +22,12 @@ from maingrad.hooks.preflight.result import PreflightResult
 from maingrad.hooks.preflight.run import preflight
 
 DIM = 272  # 272 x 272 = 73,984 elements: above END_TO_END_MAX
+
+
+@pytest.fixture(autouse=True)
+def after_screening(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path is off by default (`check.AFTER_SCREENING`); every test here turns it on."""
+    monkeypatch.setattr(check_module, "AFTER_SCREENING", True)
 
 
 class Doubled(torch.autograd.Function):
