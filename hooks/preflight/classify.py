@@ -66,7 +66,7 @@ def _own_classes(check: Check, indexes: list[int]) -> dict[str, int]:
             or local.probed_kind(owner, check.local_fd.declared) is not None
         ):
             continue
-        if any(p is not None for child in owner.children() for p in child.parameters()):
+        if local.holds_parameter_children(owner):
             continue
         name = type(owner).__qualname__
         counts[name] = counts.get(name, 0) + 1

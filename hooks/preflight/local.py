@@ -120,11 +120,14 @@ def _probed(module: torch.nn.Module | None, declared: tuple[type, ...]) -> tuple
             if defining is not None and defining.__module__.startswith(ORIGINS):
                 found = (cls.__name__, False)
             break
-    if found is None or "forward" in vars(module):
-        return None
-    if any(p is not None for child in module.children() for p in child.parameters()):
+    if found is None or "forward" in vars(module) or holds_parameter_children(module):
         return None
     return found
+
+
+def holds_parameter_children(module: torch.nn.Module) -> bool:
+    """A child of the module holds parameters: its forward is not the module's alone (never probed)."""
+    return any(p is not None for child in module.children() for p in child.parameters())
 
 
 def _moved(

@@ -104,7 +104,8 @@ class LossFD:
         self.evaluations = 0
         self.rounds = 0
         self.probes: list[Probe] = []
-        self.deferred: list[_Node] = []  # halves waiting for their sibling's estimate (`_spread_band`)
+        # halves waiting for their sibling's estimate (`_spread_band`), with their own
+        self.deferred: list[tuple[_Node, Estimate]] = []
         self.noise = 0.0
         self.invisible = False  # no probe's perturbation ever moved the loss (set by probe_first())
         self.loss_level = 0.0
@@ -418,9 +419,9 @@ class LossFD:
             # halves waiting for their sibling's estimate (`_spread_band`): judged again after each round, and
             # without it once nothing else is to be measured
             again, self.deferred = self.deferred, []
-            for node in again:
+            for node, est in again:
                 node.waited = not requests
-                requests += self._judge(node, self.noise)
+                requests += self._finish(node, est)
             if waiting and not any(not node.zero for node, _ in requests):
                 self.zero_noise = self._zero_noise()
                 for node in waiting:
@@ -624,7 +625,7 @@ class LossFD:
                 # of a group, a deviation spread over the group's weights (`_spread_band`)
                 spread = self._spread_band(node, err)
                 if spread is None and dev <= ltol + 3 * err:  # its sibling's estimate is not in yet
-                    self.deferred.append(node)
+                    self.deferred.append((node, est))
                     return []
                 band = max(err, ltol / 4, spread or 0.0)
                 if dev <= band + 1e-9:
