@@ -94,6 +94,64 @@ class _Node:
         return [(s, c, p) for s, (c, p) in self.levels.items()]
 
 
+class _Moving:
+    """The weights one probe moves, worked out once for all its evaluations in a round (two signs, often two
+    steps): the tensors to move, one copy of where they start (each evaluation restores them from it bit for
+    bit, so every evaluation starts from the same weights), which small weights move and are predicted together
+    with multi-tensor launches, and each weight's gradient viewed in its shape. Rebuilding this per evaluation
+    cost a copy of every moved weight and a few hundred launches and views each time (on the H200 a loss
+    evaluation of the 541M GPT was host-bound)."""
+
+    def __init__(self, check: Check, indexes: Sequence[int], grads: Sequence[torch.Tensor | None]) -> None:
+        adapter = check.adapter
+        self.indexes = list(indexes)
+        self.targets = [adapter.target(check.entries[i]) for i in self.indexes]
+        with torch.no_grad():
+            self.saved = copies(self.targets)
+        # per weight: its gradient in its shape where the shapes agree (moved along it in place), else None
+        self.grads: list[torch.Tensor | None] = []
+        # small weights moved along the gradient together, per (device, dtype, gradient dtype): the weights, their
+        # gradients, ones to multiply by (`_foreach_addcmul_` takes one factor per tensor) and (j, i) per weight
+        self.small_along: list[
+            tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[tuple[int, int]]]
+        ]
+        self.small_along = []
+        batched: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[int, int]]] = {}
+        # <G, move> per weight: in its own dtype (`LossFD._predictions`, by device and dtypes), or widened to the
+        # dtype the forward computes in where that differs
+        same: dict[
+            tuple[torch.device, torch.dtype, torch.dtype],
+            list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        ]
+        same = {}
+        self.widened: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]] = []
+        for j, (i, t, old) in enumerate(zip(self.indexes, self.targets, self.saved, strict=True)):
+            g = grads[i]
+            self.grads.append(g.view(t.shape) if g is not None and g.numel() == t.numel() else None)
+            if g is None:
+                continue
+            cdt = adapter.compute_dtype(check.entries[i])
+            if g.numel() == t.numel() <= SMALL_MOVE and cdt == t.dtype:
+                batched.setdefault((t.device, t.dtype, g.dtype), []).append((j, i))
+            if cdt == t.dtype:
+                same.setdefault((t.device, t.dtype, g.dtype), []).append((t, old, g.view(t.shape)))
+            else:
+                self.widened.append((t, old, g, cdt))
+        for members in batched.values():
+            ts = [self.targets[j] for j, _ in members]
+            gs = [cast(torch.Tensor, self.grads[j]) for j, _ in members]
+            ones = torch.ones(sum(t.numel() for t in ts), device=ts[0].device, dtype=gs[0].dtype)
+            units = [p.view(t.shape) for p, t in zip(ones.split([t.numel() for t in ts]), ts, strict=True)]
+            self.small_along.append((ts, gs, units, members))
+        self.small_along_set = frozenset(j for _, _, _, members in self.small_along for j, _ in members)
+        self.same = [(dtype, items) for (_, dtype, _), items in same.items()]
+        # the noise's small weights, in pieces whose draws' scratch is bounded
+        small = [j for j, t in enumerate(self.targets) if t.numel() <= SMALL_MOVE]
+        self.small_set = frozenset(small)
+        self.small_pieces = chunks(small, [self.targets[j].numel() for j in small], FD_CHUNK)
+        self.draws: list[torch.Tensor] = []  # the noise's draws for them, where they fit in one piece
+
+
 class LossFD:
     """The loss-level finite differences of one preflight call: its probes, the measured noise and what each
     weight's probe could hide."""
@@ -135,68 +193,49 @@ class LossFD:
         self.first_elements = 0
 
     def evaluate(
-        self,
-        indexes: Sequence[int],
-        delta: Callable[[int, torch.Tensor], torch.Tensor],
-        grads: list[torch.Tensor | None],
-        sign: float,
+        self, moving: _Moving, delta: Callable[[int, torch.Tensor], torch.Tensor], sign: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss of the first micro-batch with each weight i of `indexes` moved by sign x delta(i, weight), and
+        """Loss of the first micro-batch with each weight i of `moving` moved by sign x delta(i, weight), and
         <G, the move as the forward computes with it (rounded to the compute dtype)>; the weights are restored
-        bit for bit before returning (installed by the next commit)."""
-        adapter = self.check.adapter
-        targets = [adapter.target(self.check.entries[i]) for i in indexes]
-        with torch.no_grad():
-            saved = copies(targets)
+        bit for bit from `moving`'s copy before returning (installed by the next commit)."""
+        targets, saved = moving.targets, moving.saved
         parts: list[torch.Tensor] = []
         try:
             self.check.synced, self.check.uninstalled = False, True  # the weights move from here on
             with torch.no_grad():
-                batched: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[int, int]]] = {}
-                same: dict[
-                    tuple[torch.device, torch.dtype, torch.dtype],
-                    list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                ] = {}
-                for j, (i, t) in enumerate(zip(indexes, targets, strict=True)):
-                    g = grads[i]
-                    if (
-                        isinstance(delta, Along)
-                        and g is not None
-                        and g.numel() == t.numel() <= SMALL_MOVE
-                        and adapter.compute_dtype(self.check.entries[i]) == t.dtype
-                    ):
-                        batched.setdefault((t.device, t.dtype, g.dtype), []).append((j, i))
-                done: set[int] = set()
-                for members in batched.values():
-                    self._move_small(members, targets, grads, cast(Along, delta), sign)
-                    done.update(j for j, _ in members)
+                done: frozenset[int] = frozenset()
+                if isinstance(delta, Along):
+                    for ts, gs, units, members in moving.small_along:
+                        factors = [sign * delta.factor(i, targets[j]) for j, i in members]
+                        # t + factor x g x 1, rounded once (as t.add_(g, alpha=factor)): the same moves as one
+                        # weight at a time
+                        FOREACH_OPS._foreach_addcmul_(ts, gs, units, factors)
+                    done = moving.small_along_set
                 if isinstance(delta, Jitter):  # the noise's moves of the small weights, batched likewise
-                    small = [j for j, t in enumerate(targets) if t.numel() <= SMALL_MOVE]
-                    sizes = [targets[j].numel() for j in small]
-                    for piece in chunks(small, sizes, FD_CHUNK):  # the draws' scratch bounded
-                        draws = delta.many([indexes[j] for j in piece], [targets[j] for j in piece])
+                    for piece in moving.small_pieces:  # the draws' scratch bounded
+                        # (the same at + and -: kept for the other sign where they fit in one piece)
+                        draws = moving.draws or delta.many(
+                            [moving.indexes[j] for j in piece], [targets[j] for j in piece]
+                        )
                         FOREACH_OPS._foreach_add_([targets[j] for j in piece], draws, alpha=sign)
+                        if len(moving.small_pieces) == 1:
+                            moving.draws = draws
                         del draws
-                    done.update(small)
-                for j, (i, t, old) in enumerate(zip(indexes, targets, saved, strict=True)):
-                    g = grads[i]
-                    if j not in done:  # (the small ones moved above)
-                        if isinstance(delta, Along) and g is not None and g.numel() == t.numel():
-                            t.add_(g.view(t.shape), alpha=sign * delta.factor(i, t))
-                        else:
-                            d = delta(i, t)
-                            t.add_(d, alpha=sign)
-                            del d
-                    if g is None:
+                    done = moving.small_set
+                for j, (i, t, g) in enumerate(zip(moving.indexes, targets, moving.grads, strict=True)):
+                    if j in done:  # (the small ones moved above)
                         continue
-                    cdt = adapter.compute_dtype(self.check.entries[i])
-                    if cdt == t.dtype:
-                        same.setdefault((t.device, t.dtype, g.dtype), []).append((t, old, g.view(t.shape)))
-                        continue
+                    if isinstance(delta, Along) and g is not None:
+                        t.add_(g, alpha=sign * delta.factor(i, t))
+                    else:
+                        d = delta(i, t)
+                        t.add_(d, alpha=sign)
+                        del d
+                for t, old, flat_g, cdt in moving.widened:
                     moved = (t.to(cdt).float() - old.to(cdt).float()).reshape(-1)
-                    parts.append(torch.sum(moved * g, dtype=torch.float32))
+                    parts.append(torch.sum(moved * flat_g, dtype=torch.float32))
                     del moved
-                for (_, dtype, _), items in same.items():
+                for dtype, items in moving.same:
                     parts += self._predictions(items, dtype)
             self.check.commit()
             loss = self.check.loss(self.check.batches[self.fd_batches[0]])
@@ -215,25 +254,6 @@ class LossFD:
         for kind in by_kind.values():  # one stack per kind, summed in fp64 (not one cast per weight)
             pred = pred + torch.stack(kind).to(device=device, dtype=torch.float64).sum()
         return loss, pred
-
-    def _move_small(
-        self,
-        members: list[tuple[int, int]],
-        targets: list[torch.Tensor],
-        grads: list[torch.Tensor | None],
-        delta: Along,
-        sign: float,
-    ) -> None:
-        """Small weights of one device and dtype (biases, norms: most of a model's parameters, a sliver of its
-        elements) moved with multi-tensor launches instead of one add per weight, and the same moves (their
-        predictions go with the others', `_predictions`)."""
-        ts = [targets[j] for j, _ in members]
-        gs = [cast(torch.Tensor, grads[i]).view(targets[j].shape) for j, i in members]
-        factors = [sign * delta.factor(i, targets[j]) for j, i in members]
-        # t + factor x g x 1, rounded once (as t.add_(g, alpha=factor)): the same moves as one weight at a time
-        ones = torch.ones(sum(t.numel() for t in ts), device=ts[0].device, dtype=gs[0].dtype)
-        units = [p.view(t.shape) for p, t in zip(ones.split([t.numel() for t in ts]), ts, strict=True)]
-        FOREACH_OPS._foreach_addcmul_(ts, gs, units, factors)
 
     @staticmethod
     def _predictions(
@@ -486,16 +506,23 @@ class LossFD:
         pending: list[tuple[_Node, float, torch.Tensor, torch.Tensor]] = []
         noise_parts: list[torch.Tensor] = []
         if first and moves.nonzero:
-            plus, pp = self.evaluate(moves.nonzero, moves.jitter, moves.directions, 1.0)
-            minus, pm = self.evaluate(moves.nonzero, moves.jitter, moves.directions, -1.0)
+            moving = _Moving(self.check, moves.nonzero, moves.directions)
+            plus, pp = self.evaluate(moving, moves.jitter, 1.0)
+            minus, pm = self.evaluate(moving, moves.jitter, -1.0)
+            del moving
             noise_parts = [(plus - minus) / 2, (plus + minus) / 2, (pp - pm) / 2]
+        held: tuple[_Node, _Moving] | None = None  # a probe's weights, while its requests follow each other
         for node, step in requests:
             if step in node.inferred:
                 continue
+            if held is None or held[0] is not node:
+                held = None  # (its copy released before the next one is made)
+                held = (node, _Moving(self.check, node.indexes, moves.directions))
             maker = moves.random(step) if node.zero else moves.along(step)
-            lp, pp = self.evaluate(node.indexes, maker, moves.directions, 1.0)
-            lm, pm = self.evaluate(node.indexes, maker, moves.directions, -1.0)
+            lp, pp = self.evaluate(held[1], maker, 1.0)
+            lm, pm = self.evaluate(held[1], maker, -1.0)
             pending.append((node, step, (lp.double() - lm.double()) / 2, (pp - pm) / 2))
+        held = None
         self.check.commit()  # the restored weights, installed once per round
         self.rounds += 1
         cs, ps = self._to_host(
