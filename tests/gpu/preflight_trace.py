@@ -1,6 +1,7 @@
 """Where a preflight call waits: the host or the device (diagnostic, not a test).
 
     PYTHONPATH=/tmp/mg:/tmp/site:/tmp/mc19:$PWD/tests/gpu/stub python3 tests/gpu/preflight_trace.py [case] [out]
+    python3 tests/gpu/preflight_trace.py --summarize TRACE.json.gz    # the same lines from a saved trace
 
 `preflight_profile.py` times each phase with the device synchronized around it, which says how long a phase
 takes but not whether the host (Python, launches) or the device (kernels, copies) sets that time. This runs
@@ -50,11 +51,21 @@ def union(intervals: list[tuple[float, float]]) -> float:
 
 def summarize(trace: dict[str, Any], label: str) -> None:
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    if label == "*":  # a saved trace: each top-level mark's own lines
+        for top in ("step", "preflight"):
+            marks = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == f"MG {top}"]
+            for m in marks:
+                a, b = m["ts"], m["ts"] + m["dur"]
+                summarize(
+                    {"traceEvents": [e for e in events if a <= e["ts"] <= b or e.get("cat") in DEVICE_CATS]},
+                    top,
+                )
+        return
     device = [e for e in events if e.get("cat") in DEVICE_CATS]
     launches = {
         e["args"]["correlation"]: e["ts"]
         for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
     marks = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("MG ")]
     dev = [(e["ts"], e["ts"] + e["dur"], launches.get(e["args"].get("correlation"))) for e in device]
@@ -80,6 +91,10 @@ def summarize(trace: dict[str, Any], label: str) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--summarize"]:
+        with gzip.open(sys.argv[2], "rt", encoding="utf-8") as handle:
+            summarize(json.load(handle), "*")
+        return
     import maingrad.hooks
 
     zoo.setup_distributed()
