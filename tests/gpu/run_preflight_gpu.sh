@@ -4,6 +4,8 @@
 #   bash tests/gpu/run_preflight_gpu.sh cases MEGATRON_DIR TAG [--fd-detail]   # every required case
 #   bash tests/gpu/run_preflight_gpu.sh bench MEGATRON_DIR TAG                 # benchmarks/gpu/preflight_cost.py
 #   bash tests/gpu/run_preflight_gpu.sh zoo MEGATRON_DIR TAG                   # cost, profile, zoo + bugs
+#   bash tests/gpu/run_preflight_gpu.sh compare MEGATRON_DIR TAG OTHER_MG      # cost of this checkout and of
+#       another maingrad install (pip install --target OTHER_MG), alternating processes, then a trace
 # Logs and JSON go to $OUT/TAG-*.{log,json}; each case's verdict line starts with VERDICT.
 set -u
 source "$(dirname "$0")/gpu_setup.sh" /tmp/mg
@@ -40,6 +42,25 @@ case "$what" in
       zoo bugs > "$OUT/$tag-zoo.log" 2>&1
     echo "zoo rc=$?"
     grep -h '^ZOO' "$OUT/$tag-zoo.log" | cut -c1-160
+    ;;
+  compare)
+    # the 541M GPT's cost with this checkout (new) and another install (old), ROUNDS rounds per process,
+    # PAIRS times alternately on the same machine; then where this checkout's call waits (preflight_trace.py)
+    other=$1
+    for r in $(seq "${PAIRS:-2}"); do
+      for v in new old; do
+        m=$MG; [ "$v" = old ] && m=$other
+        PYTHONPATH=$m:/tmp/site:$mc:$(pwd)/tests/gpu/stub timeout ${COST_TIMEOUT:-100} python3 tests/gpu/preflight_zoo.py \
+          --cost "${ROUNDS:-6}" --json "$OUT/$tag-cost-$v-$r.json" gpt541m-untied-ddp-bf16 bug-541m-overwrite \
+          > "$OUT/$tag-cost-$v-$r.log" 2>&1
+        echo "$v $r rc=$?"
+        grep -h '^COST' "$OUT/$tag-cost-$v-$r.log" | cut -c1-330
+      done
+    done
+    (cd tests/gpu && PYTHONPATH=$PP:. timeout ${TRACE_TIMEOUT:-80} python3 preflight_trace.py gpt541m-untied-ddp-bf16 \
+      "$OUT/$tag-trace.json.gz" > "$OUT/$tag-trace.log" 2>&1)
+    echo "trace rc=$?"
+    grep -h -e '^TRACE.* step ' -e 'TRACE preflight preflight' -e 'evaluate' -e 'Check.single' "$OUT/$tag-trace.log"
     ;;
   bench)
     PYTHONPATH=$PP timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/gpu/preflight_cost.py > "$OUT/$tag-bench.log" 2>&1
