@@ -640,6 +640,7 @@ def cost(case: Case, rounds: int) -> dict[str, Any]:
         "preflight_s_median": statistics.median(checks_s),
         "steps_per_preflight_median": statistics.median(ratios),
         "steps_per_preflight_quartiles": [q[0], q[2]],
+        "steps_per_preflight_rounds": ratios,  # (so that several runs can be pooled)
         "grad_bytes": grad_bytes,
         "peak_above_step_bytes": extra,
         "peak_above_step_over_grads": extra / grad_bytes if grad_bytes else None,

@@ -61,6 +61,8 @@ case "$what" in
       "$OUT/$tag-trace.json.gz" > "$OUT/$tag-trace.log" 2>&1)
     echo "trace rc=$?"
     grep -h -e '^TRACE.* step ' -e 'TRACE preflight preflight' -e 'evaluate' -e 'Check.single' "$OUT/$tag-trace.log"
+    # a call brings back a few files only: one archive
+    (cd "$OUT" && tar czf "$tag-compare.tgz" "$tag"-cost-* "$tag"-trace.* && rm -f "$tag"-cost-* "$tag"-trace.*)
     ;;
   bench)
     PYTHONPATH=$PP timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/gpu/preflight_cost.py > "$OUT/$tag-bench.log" 2>&1
