@@ -98,9 +98,9 @@ class _Moving:
     """The weights one probe moves, worked out once for all its evaluations in a round (two signs, often two
     steps): the tensors to move, one copy of where they start (each evaluation restores them from it bit for
     bit, so every evaluation starts from the same weights), which small weights move and are predicted together
-    with multi-tensor launches, and each weight's gradient viewed in its shape. Rebuilding this per evaluation
-    cost a copy of every moved weight and a few hundred launches and views each time (on the H200 a loss
-    evaluation of the 541M GPT was host-bound)."""
+    with multi-tensor launches, and each weight's gradient viewed in its shape. Rebuilt per evaluation, this was a
+    copy of every moved weight (a GB on a 541M bf16 GPT, whose probe moves them all) and a few hundred launches
+    and views each time."""
 
     def __init__(self, check: Check, indexes: Sequence[int], grads: Sequence[torch.Tensor | None]) -> None:
         adapter = check.adapter
