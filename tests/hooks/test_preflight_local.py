@@ -8,6 +8,8 @@ not probed; nothing is left behind (weights bit for bit, no hook, its class back
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from preflight_zoo import cross_entropy, microbatch, mse, regression_batches, token_batches
@@ -420,3 +422,60 @@ def test_module_fd_classes_must_be_module_classes() -> None:
         _fork(declared=(ForkLNLinear(4, 4),))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="module_fd_classes"):
         _fork(declared=(int,))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_the_module_local_sums_are_the_definition_in_every_output_dtype(dtype: torch.dtype) -> None:
+    """`_compare` widens a half-precision output before combining it with fp32 (a GPU's mixed-dtype kernels are
+    slow): the numbers must stay those of the definition, <dy, y+ - y-> with y+ - y- exact in fp32, the error
+    bar's sum of (dy y)^2 over fp32 (fp64 for an fp64 output) products, and sum |dy (y+ - y-)|; chunked
+    like the function (CHUNK lowered so that four chunks are summed, the last a short one)."""
+    from maingrad.hooks.preflight import local
+
+    gen = torch.Generator().manual_seed(5)
+    n = 3 * 1000 + 17
+    plus = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+    minus = (plus.double() + 1e-2 * torch.randn(n, generator=gen, dtype=torch.float64)).to(dtype)
+    dy = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+    old = local.CHUNK
+    local.CHUNK = 1000
+    try:
+        value, var, summing = local._compare(plus, minus, dy)
+    finally:
+        local.CHUNK = old
+    parts = []
+    for a in range(0, n, 1000):
+        g, p, m = dy[a : a + 1000].float(), plus[a : a + 1000], minus[a : a + 1000]
+        if dtype == torch.float64:  # fp64 products; fp32(y+) - y- computed in fp64, rounded to fp32
+            diff = p.to(torch.float32, copy=True).sub_(m)
+        else:
+            diff = p.to(torch.float32) - m.to(torch.float32)
+        gp, gm = g * p, g * m
+        parts.append(
+            (torch.dot(g, diff), torch.dot(gp, gp) + torch.dot(gm, gm), torch.dot(g.abs(), diff.abs()))
+        )
+    want_value, want_var, want_spread = parts[0]
+    for v, w, x in parts[1:]:  # accumulated chunk by chunk, in order
+        want_value, want_var, want_spread = want_value + v, want_var + w, want_spread + x
+    u = float(torch.finfo(dtype).eps) / 2
+    assert torch.equal(value, want_value.double())
+    assert torch.equal(var, want_var.double() * (u * u / 3))
+    assert torch.equal(summing, want_spread.double() * (local.SUM_ROUNDING * math.log2(n)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("sides", [1, 2])
+def test_a_module_local_prediction_is_the_definition(dtype: torch.dtype, sides: int) -> None:
+    """<reported gradient, w(+h) - w(-h)> (or w(+h) - w) with the moves rounded to the weight's dtype as the
+    rerun rounds them, the difference exact (computed wider), summed in fp32 per chunk."""
+    gen = torch.Generator().manual_seed(6)
+    start = torch.randn(64, 32, generator=gen).to(dtype)
+    direction = torch.randn(64 * 32, generator=gen)
+    grad = torch.randn(64, 32, generator=gen)
+    move = Move(h=0.01, direction=direction)
+    got = prediction(start, move, grad, sides=sides)
+    s = start.reshape(-1)
+    high = torch.add(s, direction, alpha=0.01, out=torch.empty_like(s))
+    low = s if sides == 1 else torch.add(s, direction, alpha=-0.01, out=torch.empty_like(s))
+    diff = high.float() - low.float() if dtype != torch.float64 else high.float().sub_(low)
+    assert torch.equal(got, torch.dot(diff, grad.reshape(-1)).double())
