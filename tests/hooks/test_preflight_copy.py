@@ -184,3 +184,33 @@ def test_rounded_copy_leaves_no_trace() -> None:
     assert all(torch.equal(before[n], p) for n, p in [*model.raw.items(), *model.dist.items()])
     assert torch.equal(rng, torch.get_rng_state()) and py_rng == random.getstate()
     assert torch.count_nonzero(model.grad_data) == 0
+
+
+@pytest.mark.parametrize("case", ["mlp", "gpt-tied"])
+def test_every_loss_evaluation_starts_from_the_callers_weights(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe's weights are copied once for all its evaluations in a round (`loss_fd._Moving`) and restored
+    from that copy after each: every evaluation must find the caller's weights bit for bit, whatever the
+    evaluations before it moved (a ×2 on one weight: the probe is split, several rounds and probes; the
+    noise's draws are reused for its second sign)."""
+    from preflight_zoo import MODELS, microbatch, scale
+
+    from maingrad.hooks.preflight import loss_fd
+
+    model_case = MODELS[case]
+    model = model_case.make()
+    scale(2.0)(model, model_case.targets["one"])
+    start = [p.detach().clone() for p in model.parameters()]
+    found: list[bool] = []
+    evaluate = loss_fd.LossFD.evaluate
+
+    def spy(self, moving, delta, sign):  # noqa: ANN001, ANN202
+        found.append(all(torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start, strict=True)))
+        return evaluate(self, moving, delta, sign)
+
+    monkeypatch.setattr(loss_fd.LossFD, "evaluate", spy)
+    result = preflight(model, microbatch(model_case.loss), model_case.batches(3), loss_fn=model_case.loss)
+    assert result.status == "fail" and result.cost["bisection_depth"] >= 1
+    assert len(found) == result.cost["loss_evaluations"] > 6 and all(found)
+    assert all(torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start, strict=True))
