@@ -31,6 +31,7 @@ from maingrad.hooks.preflight.measure import (
     foreach_copy_,
     judge_levels,
     refuting,
+    shaped,
     some,
     unit_roundoff,
 )
@@ -96,13 +97,18 @@ class _Node:
 
 class _Moving:
     """The weights one probe moves, worked out once for all its evaluations in a round (two signs, often two
-    steps): the tensors to move, one copy of where they start (each evaluation restores them from it bit for
-    bit, so every evaluation starts from the same weights), which small weights move and are predicted together
+    steps): the tensors to move, one copy of where they start (every evaluation moves from it, so every
+    evaluation starts from the same weights bit for bit), which small weights move and are predicted together
     with multi-tensor launches, and each weight's gradient viewed in its shape. Rebuilt per evaluation, this was a
     copy of every moved weight (a GB on a 541M bf16 GPT, whose probe moves them all) and a few hundred launches
-    and views each time."""
+    and views each time.
+
+    A large weight's move is written from the copy (`torch.add(start, move, out=weight)`: the same rounding as
+    restoring it and adding in place), so the weights stay moved between evaluations and are restored once, by
+    `restore()`, when the probe is done: a restore per evaluation read and wrote every moved weight again."""
 
     def __init__(self, check: Check, indexes: Sequence[int], grads: Sequence[torch.Tensor | None]) -> None:
+        self.check = check
         adapter = check.adapter
         self.indexes = list(indexes)
         self.targets = [adapter.target(check.entries[i]) for i in self.indexes]
@@ -150,6 +156,26 @@ class _Moving:
         self.small_set = frozenset(small)
         self.small_pieces = chunks(small, [self.targets[j].numel() for j in small], FD_CHUNK)
         self.draws: list[torch.Tensor] = []  # the noise's draws for them, where they fit in one piece
+        # moved in place from their restored start: the small weights (multi-tensor launches) and tensor
+        # subclasses (a quantized weight's in-place add is its own; `out=` is not defined for it)
+        self.in_place = sorted(
+            self.small_set | {j for j, t in enumerate(self.targets) if type(t) is not torch.Tensor}
+        )
+        self.in_place_set = frozenset(self.in_place)
+        self.moved = False  # whether the weights hold an evaluation's move (`restore`)
+
+    def restore(self) -> None:
+        """The weights back to the copy, bit for bit (installed by the check's next commit)."""
+        if self.moved:
+            with torch.no_grad():
+                foreach_copy_(self.targets, self.saved)
+            self.moved = False
+            self.check.synced, self.check.uninstalled = False, True
+
+    def restore_in_place(self) -> None:
+        """The weights moved in place back to the copy before they move again (the others are written from it)."""
+        if self.moved and self.in_place:
+            foreach_copy_([self.targets[j] for j in self.in_place], [self.saved[j] for j in self.in_place])
 
 
 class LossFD:
@@ -195,41 +221,50 @@ class LossFD:
     def evaluate(
         self, moving: _Moving, delta: Callable[[int, torch.Tensor], torch.Tensor], sign: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss of the first micro-batch with each weight i of `moving` moved by sign x delta(i, weight), and
-        <G, the move as the forward computes with it (rounded to the compute dtype)>; the weights are restored
-        bit for bit from `moving`'s copy before returning (installed by the next commit)."""
+        """Loss of the first micro-batch with each weight i of `moving` moved from its start by sign x delta(i,
+        start), and <G, the move as the forward computes with it (rounded to the compute dtype)>. The weights stay
+        moved: the caller restores them with `moving.restore()` (here only where the evaluation fails)."""
         targets, saved = moving.targets, moving.saved
         parts: list[torch.Tensor] = []
         try:
             self.check.synced, self.check.uninstalled = False, True  # the weights move from here on
             with torch.no_grad():
+                moving.restore_in_place()  # (the others are written from their start below)
+                moving.moved = True
                 done: frozenset[int] = frozenset()
                 if isinstance(delta, Along):
                     for ts, gs, units, members in moving.small_along:
                         factors = [sign * delta.factor(i, targets[j]) for j, i in members]
-                        # t + factor x g x 1, rounded once (as t.add_(g, alpha=factor)): the same moves as one
-                        # weight at a time
+                        # t + factor x g x 1: t.add_(g, alpha=factor)'s move up to the last bit (that one fuses
+                        # the multiply-add); the predictions read the move as made
                         FOREACH_OPS._foreach_addcmul_(ts, gs, units, factors)
                     done = moving.small_along_set
                 if isinstance(delta, Jitter):  # the noise's moves of the small weights, batched likewise
                     for piece in moving.small_pieces:  # the draws' scratch bounded
                         # (the same at + and -: kept for the other sign where they fit in one piece)
                         draws = moving.draws or delta.many(
-                            [moving.indexes[j] for j in piece], [targets[j] for j in piece]
+                            [moving.indexes[j] for j in piece], [saved[j] for j in piece]
                         )
                         FOREACH_OPS._foreach_add_([targets[j] for j in piece], draws, alpha=sign)
                         if len(moving.small_pieces) == 1:
                             moving.draws = draws
                         del draws
                     done = moving.small_set
-                for j, (i, t, g) in enumerate(zip(moving.indexes, targets, moving.grads, strict=True)):
+                for j, (i, t, old, g) in enumerate(
+                    zip(moving.indexes, targets, saved, moving.grads, strict=True)
+                ):
                     if j in done:  # (the small ones moved above)
                         continue
-                    if isinstance(delta, Along) and g is not None:
-                        t.add_(g, alpha=sign * delta.factor(i, t))
+                    if j in moving.in_place_set:  # from the restored start
+                        if isinstance(delta, Along) and g is not None:
+                            t.add_(g, alpha=sign * delta.factor(i, t))
+                        else:
+                            t.add_(delta(i, old), alpha=sign)
+                    elif isinstance(delta, Along) and g is not None:
+                        torch.add(old, g, alpha=sign * delta.factor(i, t), out=t)
                     else:
-                        d = delta(i, t)
-                        t.add_(d, alpha=sign)
+                        d = delta(i, old)
+                        torch.add(old, d, alpha=sign, out=t)
                         del d
                 for t, old, flat_g, cdt in moving.widened:
                     moved = (t.to(cdt).float() - old.to(cdt).float()).reshape(-1)
@@ -242,10 +277,9 @@ class LossFD:
             for b in self.fd_batches[1:]:
                 loss = loss + self.check.loss(self.check.batches[b])
             self.evaluations += 1
-        finally:
-            with torch.no_grad():
-                foreach_copy_(targets, saved)
-            self.check.synced, self.check.uninstalled = False, True  # restored, installed by the next commit
+        except BaseException:
+            moving.restore()
+            raise
         device = loss.device
         by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for part in parts:
@@ -270,14 +304,28 @@ class LossFD:
             list(range(len(items))), [items[k][0].numel() for k in range(len(items))], 2 * FD_CHUNK
         ):
             moved = FOREACH_OPS._foreach_sub([items[k][0] for k in group], [items[k][1] for k in group])
-            products = FOREACH_OPS._foreach_mul(moved, [items[k][2] for k in group])
+            grads = [items[k][2] for k in group]
+            if len(group) == 1:
+                flat = torch.mul(moved[0], grads[0]).reshape(-1)
+            else:
+                # the products written into one buffer (a large weight's in place, the small ones' with one
+                # multi-tensor launch and copied): the sum of their concatenation, without concatenating
+                flat = torch.empty(
+                    sum(m.numel() for m in moved),
+                    dtype=torch.result_type(moved[0], grads[0]),
+                    device=moved[0].device,
+                )
+                views = shaped(flat, moved)
+                small = [k for k, m in enumerate(moved) if m.numel() <= SMALL_MOVE]
+                for k, m in enumerate(moved):
+                    if m.numel() > SMALL_MOVE:
+                        torch.mul(m, grads[k], out=views[k])
+                if small:
+                    foreach_copy_(
+                        [views[k] for k in small],
+                        FOREACH_OPS._foreach_mul([moved[k] for k in small], [grads[k] for k in small]),
+                    )
             del moved
-            flat = (
-                products[0].reshape(-1)
-                if len(products) == 1
-                else torch.cat([p.reshape(-1) for p in products])
-            )
-            del products
             out.append(flat.sum(dtype=acc))
         return out
 
@@ -507,21 +555,30 @@ class LossFD:
         noise_parts: list[torch.Tensor] = []
         if first and moves.nonzero:
             moving = _Moving(self.check, moves.nonzero, moves.directions)
-            plus, pp = self.evaluate(moving, moves.jitter, 1.0)
-            minus, pm = self.evaluate(moving, moves.jitter, -1.0)
+            try:
+                plus, pp = self.evaluate(moving, moves.jitter, 1.0)
+                minus, pm = self.evaluate(moving, moves.jitter, -1.0)
+            finally:
+                moving.restore()
             del moving
             noise_parts = [(plus - minus) / 2, (plus + minus) / 2, (pp - pm) / 2]
         held: tuple[_Node, _Moving] | None = None  # a probe's weights, while its requests follow each other
-        for node, step in requests:
-            if step in node.inferred:
-                continue
-            if held is None or held[0] is not node:
-                held = None  # (its copy released before the next one is made)
-                held = (node, _Moving(self.check, node.indexes, moves.directions))
-            maker = moves.random(step) if node.zero else moves.along(step)
-            lp, pp = self.evaluate(held[1], maker, 1.0)
-            lm, pm = self.evaluate(held[1], maker, -1.0)
-            pending.append((node, step, (lp.double() - lm.double()) / 2, (pp - pm) / 2))
+        try:
+            for node, step in requests:
+                if step in node.inferred:
+                    continue
+                if held is None or held[0] is not node:
+                    if held is not None:
+                        held[1].restore()
+                    held = None  # (its copy released before the next one is made)
+                    held = (node, _Moving(self.check, node.indexes, moves.directions))
+                maker = moves.random(step) if node.zero else moves.along(step)
+                lp, pp = self.evaluate(held[1], maker, 1.0)
+                lm, pm = self.evaluate(held[1], maker, -1.0)
+                pending.append((node, step, (lp.double() - lm.double()) / 2, (pp - pm) / 2))
+        finally:
+            if held is not None:
+                held[1].restore()
         held = None
         self.check.commit()  # the restored weights, installed once per round
         self.rounds += 1

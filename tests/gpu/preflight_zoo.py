@@ -661,6 +661,7 @@ def scan(case: Case) -> dict[str, Any]:
     step, and the time of a loss forward, of one whole-model evaluation and of a forward+backward."""
 
     from maingrad.hooks.preflight.check import Check
+    from maingrad.hooks.preflight.loss_fd import _Moving
     from maingrad.hooks.preflight.moves import Moves
     from maingrad.hooks.preflight.state import BufferState
     from maingrad.hooks.preflight.wrappers import choose
@@ -701,9 +702,9 @@ def scan(case: Case) -> dict[str, Any]:
         every = sorted(moves.nonzero_set)
         with torch.no_grad():
             out["forward_s"] = clock(lambda: loss_fn(model, data[0]), 5)
-        out["evaluation_s"] = clock(
-            lambda: fd.evaluate(every, moves.along(2.0**-10), moves.directions, 1.0), 5
-        )
+        moving = _Moving(check, every, moves.directions)
+        out["evaluation_s"] = clock(lambda: fd.evaluate(moving, moves.along(2.0**-10), 1.0), 5)
+        moving.restore()
         check.commit()
         adapter.zero()
         out["microbatch_s"] = clock(lambda: run_microbatch(model, data[0]), 3)

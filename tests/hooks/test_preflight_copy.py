@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -186,31 +187,86 @@ def test_rounded_copy_leaves_no_trace() -> None:
     assert torch.count_nonzero(model.grad_data) == 0
 
 
+@pytest.mark.parametrize("small_move", [None, 100])
 @pytest.mark.parametrize("case", ["mlp", "gpt-tied"])
-def test_every_loss_evaluation_starts_from_the_callers_weights(
-    case: str, monkeypatch: pytest.MonkeyPatch
+def test_every_loss_evaluation_moves_from_the_callers_weights(
+    case: str, small_move: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A probe's weights are copied once for all its evaluations in a round (`loss_fd._Moving`) and restored
-    from that copy after each: every evaluation must find the caller's weights bit for bit, whatever the
-    evaluations before it moved (a ×2 on one weight: the probe is split, several rounds and probes; the
-    noise's draws are reused for its second sign)."""
+    """A probe's weights are copied once for all its evaluations in a round (`loss_fd._Moving`); a large
+    weight's move is written from that copy and the weights are restored once per probe. Every loss forward of an
+    evaluation must see exactly the caller's weights moved once, as restoring them and adding the move in place
+    would give, and every weight the evaluation does not move untouched, whatever the evaluations before it
+    moved (a x2 on one weight: the probe is split, several rounds and probes; the noise's draws are reused for
+    its second sign). These models' weights are all small; with `small_move` most of them are large."""
     from preflight_zoo import MODELS, microbatch, scale
 
+    from maingrad.hooks.preflight import check as check_module
     from maingrad.hooks.preflight import loss_fd
+    from maingrad.hooks.preflight.moves import Along
+
+    if small_move is not None:
+        monkeypatch.setattr(loss_fd, "SMALL_MOVE", small_move)
 
     model_case = MODELS[case]
     model = model_case.make()
     scale(2.0)(model, model_case.targets["one"])
-    start = [p.detach().clone() for p in model.parameters()]
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    slot = {p.data_ptr(): k for k, p in enumerate(params)}
+    current: list[Any] = []
     found: list[bool] = []
-    evaluate = loss_fd.LossFD.evaluate
+    evaluate, loss = loss_fd.LossFD.evaluate, check_module.Check.loss
 
-    def spy(self, moving, delta, sign):  # noqa: ANN001, ANN202
-        found.append(all(torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start, strict=True)))
-        return evaluate(self, moving, delta, sign)
+    def spy_evaluate(self, moving, delta, sign):  # noqa: ANN001, ANN202
+        current[:] = [moving, delta, sign]
+        try:
+            return evaluate(self, moving, delta, sign)
+        finally:
+            current.clear()
 
-    monkeypatch.setattr(loss_fd.LossFD, "evaluate", spy)
+    def spy_loss(self, batch):  # noqa: ANN001, ANN202
+        if current:
+            moving, delta, sign = current
+            expected = [s.clone() for s in start]
+            for j, (i, t) in enumerate(zip(moving.indexes, moving.targets, strict=True)):
+                e = expected[slot[t.data_ptr()]]
+                g = moving.grads[j]
+                with torch.no_grad():
+                    if isinstance(delta, Along) and j in moving.small_along_set:  # one multi-tensor launch
+                        e.addcmul_(g, torch.ones_like(g), value=sign * delta.factor(i, e))
+                    elif isinstance(delta, Along) and g is not None:
+                        e.add_(g, alpha=sign * delta.factor(i, e))
+                    else:
+                        e.add_(delta(i, e.clone()), alpha=sign)
+            found.append(all(torch.equal(p.detach(), e) for p, e in zip(params, expected, strict=True)))
+        return loss(self, batch)
+
+    monkeypatch.setattr(loss_fd.LossFD, "evaluate", spy_evaluate)
+    monkeypatch.setattr(check_module.Check, "loss", spy_loss)
     result = preflight(model, microbatch(model_case.loss), model_case.batches(3), loss_fn=model_case.loss)
     assert result.status == "fail" and result.cost["bisection_depth"] >= 1
     assert len(found) == result.cost["loss_evaluations"] > 6 and all(found)
-    assert all(torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start, strict=True))
+    assert all(torch.equal(p.detach(), s) for p, s in zip(params, start, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_a_loss_level_prediction_is_the_sum_of_the_concatenated_products(dtype: torch.dtype) -> None:
+    """`LossFD._predictions`: <G, move> of a group of weights, large ones (their products written in place into
+    one buffer) and small ones (one multi-tensor launch) mixed, is the sum of the concatenated products bit
+    for bit, in every weight dtype against an fp32 gradient (and an fp64 one for fp64 weights); a product
+    written to the wrong place or left out changes it."""
+    from maingrad.hooks.preflight.loss_fd import SMALL_MOVE, LossFD
+
+    gen = torch.Generator().manual_seed(5)
+    gdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    sizes = [(3, 7), (SMALL_MOVE + 5,), (11,), (2, SMALL_MOVE // 2 + 1), (SMALL_MOVE,)]
+    items = []
+    for shape in sizes:
+        old = torch.randn(shape, generator=gen).to(dtype)
+        moved = (old.float() + 0.01 * torch.randn(shape, generator=gen)).to(dtype)
+        items.append((moved, old, torch.randn(shape, generator=gen, dtype=gdtype)))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    (got,) = LossFD._predictions(items, dtype)  # (first: no freed buffer of the right products to reuse)
+    expected = torch.cat([((t - o) * g).reshape(-1) for t, o, g in items]).sum(dtype=acc)
+    assert torch.equal(got, expected)
+    assert got.dtype == acc and got != 0
