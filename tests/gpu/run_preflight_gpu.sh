@@ -45,10 +45,11 @@ case "$what" in
     ;;
   compare)
     # the 541M GPT's cost with this checkout (new) and another install (old), ROUNDS rounds per process,
-    # PAIRS times alternately on the same machine; then where this checkout's call waits (preflight_trace.py)
+    # PAIRS times alternately on the same machine (ORDER="old new" runs the other install first in each pair);
+    # then where this checkout's call waits (preflight_trace.py; TRACE=0 skips it)
     other=$1
     for r in $(seq "${PAIRS:-2}"); do
-      for v in new old; do
+      for v in ${ORDER:-new old}; do
         m=$MG; [ "$v" = old ] && m=$other
         PYTHONPATH=$m:/tmp/site:$mc:$(pwd)/tests/gpu/stub timeout ${COST_TIMEOUT:-100} python3 tests/gpu/preflight_zoo.py \
           --cost "${ROUNDS:-6}" --json "$OUT/$tag-cost-$v-$r.json" gpt541m-untied-ddp-bf16 bug-541m-overwrite \
@@ -57,12 +58,14 @@ case "$what" in
         grep -h '^COST' "$OUT/$tag-cost-$v-$r.log" | cut -c1-330
       done
     done
-    (cd tests/gpu && PYTHONPATH=$PP:. timeout ${TRACE_TIMEOUT:-80} python3 preflight_trace.py gpt541m-untied-ddp-bf16 \
-      "$OUT/$tag-trace.json.gz" > "$OUT/$tag-trace.log" 2>&1)
-    echo "trace rc=$?"
-    grep -h -e '^TRACE.* step ' -e 'TRACE preflight preflight' -e 'evaluate' -e 'Check.single' "$OUT/$tag-trace.log"
+    if [ "${TRACE:-1}" != 0 ]; then
+      (cd tests/gpu && PYTHONPATH=$PP:. timeout ${TRACE_TIMEOUT:-80} python3 preflight_trace.py gpt541m-untied-ddp-bf16 \
+        "$OUT/$tag-trace.json.gz" > "$OUT/$tag-trace.log" 2>&1)
+      echo "trace rc=$?"
+      grep -h -e '^TRACE.* step ' -e 'TRACE preflight preflight' -e 'evaluate' -e 'Check.single' "$OUT/$tag-trace.log"
+    fi
     # a call brings back a few files only: one archive
-    (cd "$OUT" && tar czf "$tag-compare.tgz" "$tag"-cost-* "$tag"-trace.* && rm -f "$tag"-cost-* "$tag"-trace.*)
+    (cd "$OUT" && tar czf "$tag-compare.tgz" "$tag"-cost-* $(ls "$tag"-trace.* 2>/dev/null) && rm -f "$tag"-cost-* "$tag"-trace.*)
     ;;
   bench)
     PYTHONPATH=$PP timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/gpu/preflight_cost.py > "$OUT/$tag-bench.log" 2>&1
