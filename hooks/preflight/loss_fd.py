@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 NOISE_SHARE = 4  # the first pair's smaller step: noise at most E_MAX / NOISE_SHARE of the predicted change
 SMALL_MOVE = 1 << 16  # weights up to this many elements move and are predicted with multi-tensor launches
+# a weight's product with its gradient is written straight into the prediction's buffer from this many elements
+# (a launch of its own; below it the copy of its product costs the device less than the launch costs the host)
+PREDICT_IN_PLACE = 1 << 22
 # a group's halves may pass on a deviation spread over the group (`LossFD._spread_band`) only where a weight alone
 # may deviate by at least this (bf16 and coarser: 16 units of round-off). In fp32 a group's small deviation is
 # the trace of one weight off: bisected on, it grows to that weight (the CPU population's fp32 ViT, LSTM and
@@ -305,10 +308,17 @@ class LossFD:
         ):
             moved = FOREACH_OPS._foreach_sub([items[k][0] for k in group], [items[k][1] for k in group])
             grads = [items[k][2] for k in group]
-            if len(group) == 1:
-                flat = torch.mul(moved[0], grads[0]).reshape(-1)
+            big = [k for k, m in enumerate(moved) if m.numel() >= PREDICT_IN_PLACE]
+            if len(group) == 1 or not big:
+                products = FOREACH_OPS._foreach_mul(moved, grads)
+                flat = (
+                    products[0].reshape(-1)
+                    if len(products) == 1
+                    else torch.cat([p.reshape(-1) for p in products])
+                )
+                del products
             else:
-                # the products written into one buffer (a large weight's in place, the small ones' with one
+                # the products written into one buffer (a big weight's in place, the others' with one
                 # multi-tensor launch and copied): the sum of their concatenation, without concatenating
                 flat = torch.empty(
                     sum(m.numel() for m in moved),
@@ -316,14 +326,13 @@ class LossFD:
                     device=moved[0].device,
                 )
                 views = shaped(flat, moved)
-                small = [k for k, m in enumerate(moved) if m.numel() <= SMALL_MOVE]
-                for k, m in enumerate(moved):
-                    if m.numel() > SMALL_MOVE:
-                        torch.mul(m, grads[k], out=views[k])
-                if small:
+                for k in big:
+                    torch.mul(moved[k], grads[k], out=views[k])
+                rest = [k for k in range(len(moved)) if moved[k].numel() < PREDICT_IN_PLACE]
+                if rest:
                     foreach_copy_(
-                        [views[k] for k in small],
-                        FOREACH_OPS._foreach_mul([moved[k] for k in small], [grads[k] for k in small]),
+                        [views[k] for k in rest],
+                        FOREACH_OPS._foreach_mul([moved[k] for k in rest], [grads[k] for k in rest]),
                     )
             del moved
             out.append(flat.sum(dtype=acc))

@@ -249,24 +249,33 @@ def test_every_loss_evaluation_moves_from_the_callers_weights(
     assert all(torch.equal(p.detach(), s) for p, s in zip(params, start, strict=True))
 
 
+@pytest.mark.parametrize("in_place", [None, 1000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_a_loss_level_prediction_is_the_sum_of_the_concatenated_products(dtype: torch.dtype) -> None:
-    """`LossFD._predictions`: <G, move> of a group of weights, large ones (their products written in place into
-    one buffer) and small ones (one multi-tensor launch) mixed, is the sum of the concatenated products bit
-    for bit, in every weight dtype against an fp32 gradient (and an fp64 one for fp64 weights); a product
-    written to the wrong place or left out changes it."""
-    from maingrad.hooks.preflight.loss_fd import SMALL_MOVE, LossFD
+def test_a_loss_level_prediction_is_the_sum_of_the_concatenated_products(
+    dtype: torch.dtype, in_place: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LossFD._predictions`: <G, move> of a group of weights, big ones (their products written in place into one
+    buffer, from `PREDICT_IN_PLACE` elements: 1000 here) and smaller ones (one multi-tensor launch) mixed, or all
+    concatenated (below it), is the sum of the concatenated products bit for bit, in every weight dtype against
+    an fp32 gradient (and an fp64 one for fp64 weights); a product written to the wrong place or left out
+    changes it."""
+    from maingrad.hooks.preflight import loss_fd
 
+    if in_place is not None:
+        monkeypatch.setattr(loss_fd, "PREDICT_IN_PLACE", in_place)
+    # fresh buffers full of NaN: a product never written shows (not a reused block's values)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(math.nan))
     gen = torch.Generator().manual_seed(5)
     gdtype = torch.float64 if dtype == torch.float64 else torch.float32
-    sizes = [(3, 7), (SMALL_MOVE + 5,), (11,), (2, SMALL_MOVE // 2 + 1), (SMALL_MOVE,)]
+    sizes = [(3, 7), (1005,), (11,), (2, 600), (1000,)]
     items = []
     for shape in sizes:
         old = torch.randn(shape, generator=gen).to(dtype)
         moved = (old.float() + 0.01 * torch.randn(shape, generator=gen)).to(dtype)
         items.append((moved, old, torch.randn(shape, generator=gen, dtype=gdtype)))
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    (got,) = LossFD._predictions(items, dtype)  # (first: no freed buffer of the right products to reuse)
+    (got,) = loss_fd.LossFD._predictions(items, dtype)
     expected = torch.cat([((t - o) * g).reshape(-1) for t, o, g in items]).sum(dtype=acc)
     assert torch.equal(got, expected)
     assert got.dtype == acc and got != 0
