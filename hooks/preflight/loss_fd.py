@@ -150,8 +150,7 @@ class _Moving:
             ts = [self.targets[j] for j, _ in members]
             gs = [cast(torch.Tensor, self.grads[j]) for j, _ in members]
             ones = torch.ones(sum(t.numel() for t in ts), device=ts[0].device, dtype=gs[0].dtype)
-            units = [p.view(t.shape) for p, t in zip(ones.split([t.numel() for t in ts]), ts, strict=True)]
-            self.small_along.append((ts, gs, units, members))
+            self.small_along.append((ts, gs, shaped(ones, ts), members))
         self.small_along_set = frozenset(j for _, _, _, members in self.small_along for j, _ in members)
         self.same = [(dtype, items) for (_, dtype, _), items in same.items()]
         # the noise's small weights, in pieces whose draws' scratch is bounded
@@ -258,17 +257,15 @@ class LossFD:
                 ):
                     if j in done:  # (the small ones moved above)
                         continue
-                    if j in moving.in_place_set:  # from the restored start
-                        if isinstance(delta, Along) and g is not None:
-                            t.add_(g, alpha=sign * delta.factor(i, t))
-                        else:
-                            t.add_(delta(i, old), alpha=sign)
-                    elif isinstance(delta, Along) and g is not None:
-                        torch.add(old, g, alpha=sign * delta.factor(i, t), out=t)
+                    if isinstance(delta, Along) and g is not None:
+                        step, alpha = g, sign * delta.factor(i, t)
                     else:
-                        d = delta(i, old)
-                        torch.add(old, d, alpha=sign, out=t)
-                        del d
+                        step, alpha = delta(i, old), sign
+                    if j in moving.in_place_set:  # from the restored start
+                        t.add_(step, alpha=alpha)
+                    else:
+                        torch.add(old, step, alpha=alpha, out=t)
+                    del step
                 for t, old, flat_g, cdt in moving.widened:
                     moved = (t.to(cdt).float() - old.to(cdt).float()).reshape(-1)
                     parts.append(torch.sum(moved * flat_g, dtype=torch.float32))
@@ -328,7 +325,7 @@ class LossFD:
                 views = shaped(flat, moved)
                 for k in big:
                     torch.mul(moved[k], grads[k], out=views[k])
-                rest = [k for k in range(len(moved)) if moved[k].numel() < PREDICT_IN_PLACE]
+                rest = [k for k in range(len(moved)) if k not in big]
                 if rest:
                     foreach_copy_(
                         [views[k] for k in rest],
