@@ -38,6 +38,10 @@ IRREPRODUCIBLE = (
     "its module's rerun does not reproduce its forward (randomness or state in a module_fd_classes class)"
 )
 BOUND_ENOUGH = 0.25  # a weight the loss-level probe bounds within x1.25 is not screened on its module
+# the screening holds forward outputs for its one-sided reruns up to this share of the gradient copy's bytes
+# (`local.LocalProbe.hold_bytes`): the copy is most of a call's memory above a step's, and the held outputs
+# grow with the micro-batch's tokens where the copy does not
+HOLD_SHARE = 0.25
 
 
 class LocalFD:
@@ -71,6 +75,9 @@ class LocalFD:
         self.refine_plan: dict[int, local.Move] = {}
         self.refine_predicted: dict[int, torch.Tensor] = {}
         self.reruns = 0
+        # screened calls measured against their forward's held output, and those the hold bound left central
+        self.held_calls = 0
+        self.unheld_calls = 0
         self.errors: list[str] = []
         self.not_judged: dict[str, set[int]] = {}
 
@@ -181,7 +188,14 @@ class LocalFD:
                 )
         if not plan:
             return None
-        return local.LocalProbe(self.check.model, self.params, plan, one_sided=True, declared=self.declared)
+        return local.LocalProbe(
+            self.check.model,
+            self.params,
+            plan,
+            one_sided=True,
+            declared=self.declared,
+            hold_bytes=int(HOLD_SHARE * self.check.copy_bytes),
+        )
 
     def plan_refinement(self, flats: list[torch.Tensor | None], k: int) -> None:
         """After the last single (the copy now the sum of the singles, S): the moves of the weights to judge
@@ -293,6 +307,8 @@ class LocalFD:
         """Compare, per set of weights moved together, the reruns' <dy, y+ - y-> with <reported gradient, the
         move> (`predicted` where it was computed earlier, else from `reported`); one host transfer."""
         self.reruns += probe.reruns
+        self.held_calls += probe.held_calls
+        self.unheld_calls += probe.unheld_calls
         self.errors += probe.errors[: max(0, 3 - len(self.errors))]
         sets = self._sets(probe)
         if not sets:

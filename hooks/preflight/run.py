@@ -299,6 +299,9 @@ def _execute(check: Check) -> PreflightResult:
         "microbatches": len(check.batches),
         "host_syncs": check.syncs,
         "module_reruns": check.local_fd.reruns,
+        # screened calls measured against their held forward output; those the bound on held bytes left central
+        "module_outputs_held": check.local_fd.held_calls,
+        "module_outputs_not_held": check.local_fd.unheld_calls,
         "copy_bytes": check.copy_bytes,
         "seconds_by_part": {k: round(v, 4) for k, v in timings.items()},
     }

@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -585,13 +585,21 @@ def make_optimizer(model: torch.nn.Module, m: Model):
     return get_megatron_optimizer(config, [model])
 
 
-def cost(case: Case, rounds: int) -> dict[str, Any]:
+def cost(
+    case: Case, rounds: int, batch: int | None = None, microbatches: int | None = None
+) -> dict[str, Any]:
     """Median over rounds of (one preflight call) / (median training step of the same round): a training step is
     Megatron's loop iteration (zero, every micro-batch forward+backward, grad sync, optimizer step); memory is
-    the peak above the base (zeroed buffers), against the bytes of the gradients the optimizer reads."""
+    the peak above the base (zeroed buffers), against the bytes of the gradients the optimizer reads. `batch`
+    (sequences per micro-batch) and `microbatches` (per step) replace the case's own: with one sequence of 2048
+    tokens per micro-batch the 541M GPT's step is bound by the host's launching, with more by the device."""
 
     import maingrad.hooks
 
+    if batch is not None:
+        case = replace(case, model=replace(case.model, batch=batch))
+    if microbatches is not None:
+        case = replace(case, microbatches=microbatches)
     model, _cfg = build(case)
     data = make_batches(case)
     run = run_microbatch
@@ -636,6 +644,9 @@ def cost(case: Case, rounds: int) -> dict[str, Any]:
         "params": sum(p.numel() for p in model.parameters()),
         "status": results[-1].status,
         "rounds": rounds,
+        "batch": case.model.batch,
+        "microbatches": case.microbatches,
+        "tokens_per_microbatch": case.model.batch * case.model.seq,
         "step_s_median": statistics.median(steps_s),
         "preflight_s_median": statistics.median(checks_s),
         "steps_per_preflight_median": statistics.median(ratios),
@@ -754,6 +765,8 @@ def main() -> None:
     p.add_argument(
         "--cost", type=int, default=0, help="instead: N interleaved rounds of steps and preflight calls"
     )
+    p.add_argument("--batch", type=int, default=None, help="with --cost: sequences per micro-batch")
+    p.add_argument("--microbatches", type=int, default=None, help="with --cost: micro-batches per step")
     p.add_argument("--scan", action="store_true", help="instead: every group's estimate at every step")
     p.add_argument(
         "--after-screening",
@@ -791,7 +804,7 @@ def main() -> None:
         torch.distributed.destroy_process_group()
         return
     if args.cost:
-        costs = [cost(CASES[n], args.cost) for n in names]
+        costs = [cost(CASES[n], args.cost, args.batch, args.microbatches) for n in names]
         if args.json:
             with open(args.json, "w", encoding="utf-8") as handle:
                 json.dump(costs, handle, indent=1, default=str)

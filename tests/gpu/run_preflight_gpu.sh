@@ -6,6 +6,8 @@
 #   bash tests/gpu/run_preflight_gpu.sh zoo MEGATRON_DIR TAG                   # cost, profile, zoo + bugs
 #   bash tests/gpu/run_preflight_gpu.sh compare MEGATRON_DIR TAG OTHER_MG      # cost of this checkout and of
 #       another maingrad install (pip install --target OTHER_MG), alternating processes, then a trace
+#   bash tests/gpu/run_preflight_gpu.sh scaling MEGATRON_DIR TAG               # cost per micro-batch size and
+#       micro-batches per step (GRID="1x3 4x3": sequences x micro-batches; CASES="..." other cases)
 # Logs and JSON go to $OUT/TAG-*.{log,json}; each case's verdict line starts with VERDICT.
 set -u
 source "$(dirname "$0")/gpu_setup.sh" /tmp/mg
@@ -66,6 +68,20 @@ case "$what" in
     fi
     # a call brings back a few files only: one archive
     (cd "$OUT" && tar czf "$tag-compare.tgz" "$tag"-cost-* $(ls "$tag"-trace.* 2>/dev/null) && rm -f "$tag"-cost-* "$tag"-trace.*)
+    ;;
+  scaling)
+    # the 541M GPT's cost (ROUNDS interleaved rounds, passing and failing) per "sequences x micro-batches" of
+    # GRID: how the ratio moves from a step bound by the host's launching (1 sequence of 2048 tokens per
+    # micro-batch) to one bound by the device, and with the micro-batches per step (CASES: other cases)
+    for g in ${GRID:-1x3 2x3 4x3 1x6}; do
+      b=${g%x*} n=${g#*x}
+      PYTHONPATH=$PP timeout ${COST_TIMEOUT:-150} python3 tests/gpu/preflight_zoo.py --cost "${ROUNDS:-8}" \
+        --batch "$b" --microbatches "$n" --json "$OUT/$tag-scaling-$g.json" \
+        ${CASES:-gpt541m-untied-ddp-bf16 bug-541m-overwrite} > "$OUT/$tag-scaling-$g.log" 2>&1
+      echo "$g rc=$?"
+      grep -h '^COST' "$OUT/$tag-scaling-$g.log" | cut -c1-330
+    done
+    (cd "$OUT" && tar czf "$tag-scaling.tgz" "$tag"-scaling-* && rm -f "$tag"-scaling-*.json "$tag"-scaling-*.log)
     ;;
   bench)
     PYTHONPATH=$PP timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/gpu/preflight_cost.py > "$OUT/$tag-bench.log" 2>&1
