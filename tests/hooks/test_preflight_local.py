@@ -333,7 +333,9 @@ def test_held_outputs_stay_within_their_bound(outputs: int | None, twice: bool) 
     weights = {0: model.a.weight, 1: model.b.weight} if twice else {0: model.a.weight, 1: model.c.weight}
     one = 16 * 48 * 8  # the bytes of one output of the first weight's module
     bound = None if outputs is None else outputs * one
-    plan = {i: Move(h=0.01, direction=torch.randn(w.numel(), dtype=torch.float64)) for i, w in weights.items()}
+    plan = {
+        i: Move(h=0.01, direction=torch.randn(w.numel(), dtype=torch.float64)) for i, w in weights.items()
+    }
     starts = {i: w.detach().clone() for i, w in weights.items()}
     probe = _Bounded(model, weights, plan, one_sided=True, hold_bytes=bound)
     with probe.watching():
