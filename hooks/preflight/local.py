@@ -313,7 +313,7 @@ class LocalProbe:
         # central differences (a second rerun) instead
         self.hold_bytes = hold_bytes
         self.holding = 0  # the bytes of the outputs held now
-        self.held_calls = 0  # calls measured against their held output, and those the bound left central
+        self.held_calls = 0  # calls whose output was held, and those the bound left central
         self.unheld_calls = 0
         # weights with a call the bound left central: all their calls are measured so (one kind of difference
         # per weight; the judge does not mix them)

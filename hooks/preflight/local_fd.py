@@ -75,7 +75,7 @@ class LocalFD:
         self.refine_plan: dict[int, local.Move] = {}
         self.refine_predicted: dict[int, torch.Tensor] = {}
         self.reruns = 0
-        # screened calls measured against their forward's held output, and those the hold bound left central
+        # screened calls whose forward output was held for a one-sided rerun, and those the hold bound left central
         self.held_calls = 0
         self.unheld_calls = 0
         self.errors: list[str] = []

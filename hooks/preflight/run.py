@@ -299,7 +299,7 @@ def _execute(check: Check) -> PreflightResult:
         "microbatches": len(check.batches),
         "host_syncs": check.syncs,
         "module_reruns": check.local_fd.reruns,
-        # screened calls measured against their held forward output; those the bound on held bytes left central
+        # screened calls whose forward output was held for a one-sided rerun; those the bound on held bytes left central
         "module_outputs_held": check.local_fd.held_calls,
         "module_outputs_not_held": check.local_fd.unheld_calls,
         "copy_bytes": check.copy_bytes,
