@@ -217,6 +217,9 @@ class _Call:
     versions: list[tuple[torch.Tensor, int]]
     autocast: tuple[str, bool, torch.dtype] | None
     held: tuple[torch.Tensor, int] | None = None  # the forward's output and its version (`one_sided`)
+    # what holding it counts against the bound (`LocalProbe.hold_bytes`), taken at the forward: the same bytes
+    # are given back at its release
+    held_bytes: int = 0
     # a class of the caller's (`probed_kind`): the forward's output and its version, which a rerun with nothing
     # moved must reproduce
     original: tuple[torch.Tensor, int] | None = None
@@ -425,11 +428,11 @@ class LocalProbe:
         if torch.is_autocast_enabled(device):
             autocast = (device, True, torch.get_autocast_dtype(device))
         alone = [i for i, _ in planned if i not in self.escaped]
-        held = None
+        held, held_bytes = None, 0
         if self.one_sided and len(alone) == 1:
             size = _held_bytes(out)
             if self.hold_bytes is None or self.holding + size <= self.hold_bytes:
-                held = (out, out._version)
+                held, held_bytes = (out, out._version), size
                 self.holding += size
                 self.held_calls += 1
             else:
@@ -447,6 +450,7 @@ class LocalProbe:
             versions=[(a, a._version) for a in inputs],
             autocast=autocast,
             held=held,
+            held_bytes=held_bytes,
             original=(out, out._version) if declared else None,
         )
         self._pending[id(call)] = call
@@ -478,9 +482,8 @@ class LocalProbe:
 
     def _release(self, call: _Call) -> None:
         """Drop the call's held output (and its bytes from the bound)."""
-        if call.held is not None:
-            self.holding -= _held_bytes(call.held[0])
-            call.held = None
+        self.holding -= call.held_bytes
+        call.held, call.held_bytes = None, 0
 
     def _measure(self, call: _Call, dy: torch.Tensor) -> None:
         # its inputs as at the forward, and the parameters it computes with the same objects (a sharding
