@@ -190,6 +190,7 @@ def classify(check: Check) -> dict[str, Any]:
         ),
         "fd_first_step": check.fd_step if check.fd_step is not None else "from the noise",
         "fd_noise": check.loss_fd.noise,
+        "fd_noise_drawn": check.loss_fd.drawn,
         "fd_zero_noise": check.loss_fd.zero_noise,
         "repeat": "the first micro-batch is repeated only where a failed verdict could be run-to-run noise (not "
         "where the fit by position leaves a residual below tolerance/8)",

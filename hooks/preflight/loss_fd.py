@@ -30,6 +30,7 @@ from maingrad.hooks.preflight.measure import (
     finest,
     foreach_copy_,
     judge_levels,
+    noise_shown,
     refuting,
     shaped,
     some,
@@ -51,6 +52,11 @@ PREDICT_IN_PLACE = 1 << 22
 # the trace of one weight off: bisected on, it grows to that weight (the CPU population's fp32 ViT, LSTM and
 # Perceiver biases x2 and x0.5 were named only so)
 SPREAD_TOL = 2.0**-5
+# compute dtypes with a unit round-off of at least this (bf16, fp16, fp8) make the loss's noise a draw of the
+# forward's rounding, which the jitter pair measures once; levels below a pair may raise it (`_judge`). In fp32 the
+# draw was the same for every jitter seed on the CPU population, and what levels below a pair show is a kink's
+# (a ReLU near 0) departure from the pair's average slope, not noise
+DRAWN_NOISE_UNIT = 2.0**-12
 UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
 
 
@@ -193,6 +199,10 @@ class LossFD:
         # halves waiting for their sibling's estimate (`_spread_band`), with their own
         self.deferred: list[tuple[_Node, Estimate]] = []
         self.noise = 0.0
+        # the jitter pair's draw of it: the zero-gradient probes and the visibility check keep it where levels
+        # below a pair raised `noise` (`_judge`), as before that raise existed
+        self.drawn = 0.0
+        self.noise_revisions = 0  # raises of `noise` by what levels below a pair showed (`_judge`)
         self.invisible = False  # no probe's perturbation ever moved the loss (set by probe_first())
         self.loss_level = 0.0
         self.zero_noise = 0.0
@@ -427,6 +437,7 @@ class LossFD:
         # a sum of n losses: its noise is measured again (below) where the weights allow; its round-off and
         # the residuals of the first micro-batch's estimates scale with n
         self.noise *= n
+        self.drawn *= n
         self.loss_level *= n
         self.residuals = [r * n for r in self.residuals]
         self.noise_measured = False
@@ -595,7 +606,7 @@ class LossFD:
             self.noise_measured = True
             c_j, l_mean, p_j = cs[len(pending)], cs[len(pending) + 1], ps[len(pending)]
             self.loss_level = l_mean
-            self.noise = max(2 * abs(c_j - p_j), self._floor())
+            self.noise = self.drawn = max(2 * abs(c_j - p_j), self._floor())
         touched: list[_Node] = []
         for j, (node, step, _, _) in enumerate(pending):
             node.levels[step] = (cs[j], ps[j])
@@ -616,6 +627,15 @@ class LossFD:
     def _judge(self, node: _Node, noise: float) -> list[tuple[_Node, float]]:
         levels = node.triples()
         est = judge_levels(levels, noise, node.zero, self._floor())
+        for _ in levels:  # (each pass raises the noise: a pass per level at most)
+            shown = noise_shown(levels, est) if not node.zero and node.probe.unit >= DRAWN_NOISE_UNIT else 0.0
+            if not shown > noise:
+                break
+            # the levels below its pair show more noise than was measured: the measure was a low draw, and this
+            # estimate's error bar (and every later one's) rests on the noise these levels show
+            noise = self.noise = shown
+            self.noise_revisions += 1
+            est = judge_levels(levels, noise, node.zero, self._floor())
         node.probe.levels = sorted(levels, reverse=True)
         node.probe.noise = noise
         if est.next_step is not None:
@@ -638,8 +658,8 @@ class LossFD:
         own fp32 round-off."""
         floor = self._floor()
         if self.residuals:
-            return max(min(self.noise, 2 * max(self.residuals)), floor)
-        return max(self.noise, floor)
+            return max(min(self.drawn, 2 * max(self.residuals)), floor)
+        return max(self.drawn, floor)
 
     def _node(self, key: str, indexes: list[int], zero: bool, depth: int) -> _Node:
         probe = Probe(
@@ -882,7 +902,7 @@ class LossFD:
 
     def _check_visible(self, roots: list[_Node]) -> None:
         probed = [n for n in roots if not n.zero and n.levels]
-        threshold = Z_MOVE * max(self.noise, 1e-30)
+        threshold = Z_MOVE * max(self.drawn, 1e-30)
         self.invisible = bool(probed) and all(
             all(abs(c) <= threshold and abs(p) > threshold for c, p in n.levels.values()) for n in probed
         )

@@ -480,6 +480,25 @@ def contradicted(
     return None
 
 
+def noise_shown(levels: Sequence[tuple[float, float, float]], est: Estimate) -> float:
+    """The loss's noise that the levels below a reliable estimate's pair show: twice the largest |C - r P| there
+    beyond what the estimate's own error bar allows (the same scale as the measured noise, twice a central
+    difference's departure from its prediction), 0.0 where no level lies below the pair. Truncation only
+    shrinks below the pair, so what is left there is rounding. The measured noise is one draw (the jitter
+    pair's): on the CPU population's bf16 models it varied up to 100x with the jitter's seed, and a low draw
+    set steps where the rounding was 30x the draw; steps below the pair, measured while the probe looked for
+    two that agree, show that."""
+    if est.ratio is None or est.pair is None or not est.reliable:
+        return 0.0
+    r, small, err = est.ratio, min(est.pair), est.error or 0.0
+    shown = 0.0
+    for s, c, p in levels:
+        if s >= small or p == 0.0 or not (math.isfinite(c) and math.isfinite(p)):
+            continue
+        shown = max(shown, 2 * (abs(c - r * p) - err * abs(r * p)))
+    return shown
+
+
 def judge_levels(
     levels: Sequence[tuple[float, float, float]], noise: float, zero: bool, floor: float = 0.0
 ) -> Estimate:

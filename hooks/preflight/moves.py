@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 CANDIDATE_STEPS = [2.0**-k for k in range(4, 21)]  # where the first pair is chosen (largest first)
 ZERO_FLOOR = 2.0**-3  # a zero-gradient weight's move per element at step 1, at least (`Moves.random`)
+JITTER_SEED = 7919  # the noise's draws: weight i's signs come from a generator seeded JITTER_SEED + i
 
 
 class Moves:
@@ -168,7 +169,7 @@ class Jitter:
             gen = self._generators.get(t.device)
             if gen is None:
                 gen = self._generators[t.device] = torch.Generator(device=t.device)
-            gen.manual_seed(7919 + i)
+            gen.manual_seed(JITTER_SEED + i)
             draws.append(torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=t.dtype))
             by_unit.setdefault(unit_roundoff(check.adapter.compute_dtype(check.entries[i])), []).append(k)
         for u, ks in by_unit.items():
