@@ -61,13 +61,13 @@ UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many ti
 
 
 def unused_bound(probe: Probe) -> str:
-    """What `unused` rests on: the largest loss change seen and the largest move, so that a parameter whose
-    whole effect is below the loss's noise (a zeroed gradient of a weight that barely matters) reads as that."""
+    """What `unused` rests on: the loss unchanged bit for bit at every step, up to the largest move (a loss that
+    moved within its noise is `inconclusive` instead, `measure._judge_zero`), with the loss's noise, which an
+    effect can stay below and still round to nothing in the loss."""
     top = max(s for s, _, _ in probe.levels)
-    moved = max(abs(c) for _, c, _ in probe.levels)
     return (
-        f"unused: the loss moved by at most {moved:.3g} (its noise {probe.noise or 0.0:.3g}) with these weights "
-        f"moved by up to {top:g} of their norm; an effect below that is not seen"
+        f"unused: the loss did not change, bit for bit, with these weights moved by up to {top:g} of their norm "
+        f"(its noise {probe.noise or 0.0:.3g}); an effect that rounds to nothing in the loss is not seen"
     )
 
 
@@ -704,13 +704,7 @@ class LossFD:
             probe.step = est.step * mults.pop()  # the step the group's own weights moved by
         multi = len(node.indexes) > 1
         if node.zero:
-            probe.scale = 0.0 if est.moves else None
-            if est.moves:
-                return self._split(node, est) if multi else self._set(node, "lost")
-            if est.moves is False:
-                return self._set(node, "unused")
-            probe.reason = est.reason
-            return self._set(node, "inconclusive")
+            return self._finish_zero(node, est)
         if est.ratio is None:
             probe.reason = est.reason
             return self._unsure(node)
@@ -762,6 +756,21 @@ class LossFD:
             return self._unsure(node)
         scale = 1 / r
         return self._set(node, "scaled" if 0 < scale <= 64 else "wrong")
+
+    def _finish_zero(self, node: _Node, est: Estimate) -> list[tuple[_Node, float]]:
+        """A zero-gradient probe's verdict: `lost` where the loss moves (a group: bisected to the weights
+        responsible), `unused` where it stayed bit for bit, else `inconclusive` (a group whose loss moved within
+        its noise: bisected first, so that the weights the forward never reads are still `unused`)."""
+        multi = len(node.indexes) > 1
+        node.probe.scale = 0.0 if est.moves else None
+        if est.moves:
+            return self._split(node, est) if multi else self._set(node, "lost")
+        if est.moves is False:
+            return self._set(node, "unused")
+        node.probe.reason = est.reason
+        if multi and est.pair is not None:
+            return self._split(node, est)
+        return self._set(node, "inconclusive")
 
     def _confirm(self, node: _Node, est: Estimate) -> list[tuple[_Node, float]]:
         """A parameter's blame: the next smaller step the noise allows (`finer`), else once a step where only

@@ -613,7 +613,20 @@ def _judge_zero(by_step: list[tuple[float, float, float]], noise: float) -> Esti
     if all(abs(c) <= noise for _, c, _ in by_step):
         if largest[0] * 4 <= ZERO_STEP_MAX and len(by_step) < MAX_LEVELS:
             return Estimate(next_step=largest[0] * 4)
-        return Estimate(moves=False, reliable=True, step=largest[0])
+        if all(c == 0.0 for _, c, _ in by_step):
+            return Estimate(moves=False, reliable=True, step=largest[0])
+        # the loss moved, within its noise: too little to tell from rounding, not nothing (a weight whose
+        # gradient was dropped and whose whole effect stays within the noise read `unused` so); a weight the
+        # forward never reads leaves the loss bit for bit where it was
+        moved = max(abs(c) for _, c, _ in by_step)
+        return Estimate(
+            step=largest[0],
+            pair=(largest[0], by_step[1][0]) if len(by_step) > 1 else None,
+            reason=(
+                f"the loss moved by up to {moved:.3g} with these weights moved by up to {largest[0]:g} of their "
+                f"norm, within its noise {noise:.3g}: an effect that small is not told from rounding"
+            ),
+        )
     if len(by_step) < MAX_LEVELS:
         if largest[0] * 2 <= ZERO_STEP_MAX and abs(largest[1]) <= threshold:
             return Estimate(next_step=largest[0] * 2)  # a larger change above the noise

@@ -15,7 +15,7 @@ import torch
 from preflight_wild import CASES, HELD_OUT_SEEDS, PASSING, grade
 
 from maingrad.hooks.preflight import loss_fd, moves
-from maingrad.hooks.preflight.measure import Estimate, noise_shown
+from maingrad.hooks.preflight.measure import Estimate, judge_levels, noise_shown
 
 BF16 = [name for name in CASES if name.endswith("-bf16")]
 JITTER_SEEDS = [7919 + 100003 * k for k in range(4)]
@@ -78,3 +78,38 @@ def test_fp32_keeps_the_draw(monkeypatch: pytest.MonkeyPatch) -> None:
     _, ungated, _ = grade("vit-prenorm", 33, None)
     assert ungated.cost["fd_noise_raised"] > 0
     assert ungated.tolerances["fd_noise"] > 100 * ungated.tolerances["fd_noise_drawn"]
+
+
+def test_unused_needs_the_loss_unchanged_bit_for_bit() -> None:
+    """A zero-gradient probe: `unused` only where no step changed the loss at all; a loss that moved within
+    its noise is inconclusive (the weight may matter below the noise), with the change and the noise."""
+    steps = [2.0**-2, 2.0**-4, 2.0**-5]
+    still = judge_levels([(s, 0.0, 0.0) for s in steps], 1e-3, True)
+    assert still.moves is False and still.reliable
+    within = judge_levels([(2.0**-2, 4e-4, 0.0), (2.0**-4, -2e-4, 0.0), (2.0**-5, 0.0, 0.0)], 1e-3, True)
+    assert within.moves is None and not within.reliable
+    assert "up to 0.0004" in within.reason and "noise 0.001" in within.reason
+    assert within.pair == (2.0**-2, 2.0**-4)  # where a group's halves are measured (it is bisected)
+    # below the largest step the walk goes on whatever the changes (within the noise: 4x the step)
+    assert judge_levels([(2.0**-4, 0.0, 0.0), (2.0**-5, 1e-4, 0.0)], 1e-3, True).next_step == 2.0**-2
+
+
+def test_a_dropped_gradient_within_the_noise_is_inconclusive_not_unused() -> None:
+    """The selective scan's A_log with its gradient zeroed moves the summed loss by about one noise: the
+    population's one silent miss read `unused`; the weights its forward never reads stay `unused`."""
+    torch.set_num_threads(1)
+    verdict, result, target = grade("selective-scan", 55, "zeroed")
+    assert verdict == "visible-miss", result.table()
+    p = next(p for p in result.params if p.name == target)
+    assert p.inconclusive and not p.unused
+    assert "within its noise" in " ".join(p.notes)
+    # zero-gradient weights that leave the loss where it was: a module the forward never calls, and LoRA's `a`
+    # while `b` is zero (x a b = 0 wherever `a` moves): `unused`, and the model passes
+    for name, seed, names in (
+        ("frozen-temperature", 30, {"unused.weight", "unused.bias"}),
+        ("lora-einsum", 33, {"a"}),
+    ):
+        verdict, result, _ = grade(name, seed, None)
+        assert verdict in PASSING, result.table()
+        assert {p.name for p in result.params if p.unused} == names
+        assert all("bit for bit" in " ".join(p.notes) for p in result.params if p.unused)
