@@ -1,7 +1,7 @@
 """Grades of maingrad.hooks.preflight on the CPU populations, as counts (the tests only pass or fail).
 
     python3 benchmarks/preflight_population.py [--seeds tuned|held-out] [--batches ABCDE] [--late]
-                                               [--declared] [--jsonl FILE]
+                                               [--declared] [--jitter-seeds K] [--jsonl FILE]
 
 Every case of `tests/hooks/preflight_wild.py` (architectures of the chosen batches x their seeds x correct
 and each bug kind of the batch) is run once and graded by `preflight_wild.grade`, as the tests grade it:
@@ -14,6 +14,9 @@ that probe to 64 elements, so that most models take the path where that probe
 waits for the module-local screening. Prints the counts, the cases that are neither passing, named nor
 visibly missed, and the loss evaluations and module reruns of the correct models (the passing path's cost).
 `--declared` passes batch E's own module classes as `module_fd_classes` (`preflight_wild.DECLARED`).
+`--jitter-seeds K` runs the correct models only, each under K seeds of the noise's jitter (`moves.JITTER_SEED`):
+the loss's noise in a bf16 forward is one draw of its rounding, and the spread of the loss evaluations over the
+draws (their sum, the largest, the calls above 14 and 30) is what a low draw costs.
 """
 
 from __future__ import annotations
@@ -32,14 +35,20 @@ sys.path.insert(0, str(REPO / "tests" / "hooks"))
 from preflight_wild import BUGS_OF, CASES, CAUGHT, HELD_OUT_SEEDS, PASSING, SEEDS, grade  # noqa: E402
 
 from maingrad.hooks.preflight import check as check_module  # noqa: E402
+from maingrad.hooks.preflight import moves  # noqa: E402
 
 
-def graded_row(name: str, seed: int, bug: str | None, declared: bool) -> dict:
+def graded_row(name: str, seed: int, bug: str | None, declared: bool, jitter: int | None = None) -> dict:
+    if jitter is not None:
+        moves.JITTER_SEED = jitter
     verdict, result, target = grade(name, seed, bug, declared=declared)
     return {
         "case": name,
         "seed": seed,
         "bug": bug,
+        "jitter_seed": moves.JITTER_SEED,
+        "fd_noise": result.tolerances.get("fd_noise"),
+        "fd_noise_drawn": result.tolerances.get("fd_noise_drawn"),
         "target": target,
         "grade": verdict,
         "status": result.status,
@@ -55,6 +64,7 @@ def main() -> int:
     parser.add_argument("--batches", default="ABCDE")
     parser.add_argument("--late", action="store_true")
     parser.add_argument("--declared", action="store_true")
+    parser.add_argument("--jitter-seeds", type=int, default=0, metavar="K")
     parser.add_argument("--jsonl")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -69,6 +79,8 @@ def main() -> int:
         for seed in seeds[case.batch]
         for bug in (None, *BUGS_OF[case.batch])
     ]
+    if args.jitter_seeds:
+        return jitter_spread(jobs, args)
     rows = [graded_row(*job, declared=args.declared) for job in jobs]
     if args.jsonl:
         Path(args.jsonl).write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -88,6 +100,30 @@ def main() -> int:
             print(
                 f"  {row['grade']}: {row['case']} seed {row['seed']} {row['bug']} on {row['target']}: {row['named']}"
             )
+    return 0
+
+
+def jitter_spread(jobs: list[tuple[str, int, str | None]], args: argparse.Namespace) -> int:
+    """The correct models under K jitter seeds (`--jitter-seeds`): grades and the loss evaluations' spread."""
+    base = moves.JITTER_SEED
+    rows = [
+        graded_row(name, seed, None, args.declared, base + 100003 * k)
+        for name, seed, bug in jobs
+        if bug is None
+        for k in range(args.jitter_seeds)
+    ]
+    moves.JITTER_SEED = base
+    if args.jsonl:
+        Path(args.jsonl).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    counts = collections.Counter(row["grade"] for row in rows)
+    evaluations = [row["loss_evaluations"] for row in rows]
+    print(f"{len(rows)} calls (correct models, {args.seeds} seeds x {args.jitter_seeds} jitter seeds)")
+    print("  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    print(
+        f"  loss evaluations: {sum(evaluations)} in all, at most {max(evaluations)}, "
+        f"{sum(e > 14 for e in evaluations)} calls above 14, {sum(e > 30 for e in evaluations)} above 30; "
+        f"the noise raised above its draw in {sum(r['fd_noise'] > r['fd_noise_drawn'] for r in rows)}"
+    )
     return 0
 
 
