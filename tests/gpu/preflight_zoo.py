@@ -656,6 +656,25 @@ def cost(
         "peak_above_step_bytes": extra,
         "peak_above_step_over_grads": extra / grad_bytes if grad_bytes else None,
         "cost": results[-1].cost,
+        # per round (after the warm-up call): what each call did, so that a dear round shows why (a low draw of
+        # the noise, a bisection) and not only the last call's counts
+        "rounds_calls": [
+            {
+                "status": r.status,
+                "loss_evaluations": r.cost["loss_evaluations"],
+                "bisection_depth": r.cost["bisection_depth"],
+                "module_reruns": r.cost["module_reruns"],
+                "fd_noise": r.tolerances.get("fd_noise"),
+                "fd_noise_drawn": r.tolerances.get("fd_noise_drawn"),
+                "fd_noise_raised": r.cost.get("fd_noise_raised"),
+                "first_probe": (
+                    {"step": r.groups[0].step, "scale": r.groups[0].scale, "error": r.groups[0].error}
+                    if r.groups
+                    else None
+                ),
+            }
+            for r in results[1:]
+        ],
     }
     say(results[-1].table())
     say("COST", json.dumps(out))
@@ -769,6 +788,14 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=None, help="with --cost: micro-batches per step")
     p.add_argument("--scan", action="store_true", help="instead: every group's estimate at every step")
     p.add_argument(
+        "--jitter-seeds",
+        type=int,
+        default=1,
+        metavar="K",
+        help="each case under K seeds of the noise's jitter (moves.JITTER_SEED): the loss's noise in a bf16 "
+        "forward is one draw, and the zoo with one seed is one draw per case",
+    )
+    p.add_argument(
         "--after-screening",
         action="store_true",
         help="the loss-level probe after the module-local screening (check.AFTER_SCREENING, off by default)",
@@ -810,12 +837,19 @@ def main() -> None:
                 json.dump(costs, handle, indent=1, default=str)
         torch.distributed.destroy_process_group()
         return
+    from maingrad.hooks.preflight import moves
+
+    base = moves.JITTER_SEED
     results = []
-    for n in names:
-        results.append(run_case(CASES[n], args))
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump(results, handle, indent=1, default=str)
+    for k in range(args.jitter_seeds):
+        moves.JITTER_SEED = base + 100003 * k
+        for n in names:
+            results.append(run_case(CASES[n], args))
+            results[-1]["jitter_seed"] = moves.JITTER_SEED
+            if args.json:
+                with open(args.json, "w", encoding="utf-8") as handle:
+                    json.dump(results, handle, indent=1, default=str)
+    moves.JITTER_SEED = base
     grades: dict[str, int] = {}
     for r in results:
         grades[r["grade"]] = grades.get(r["grade"], 0) + 1

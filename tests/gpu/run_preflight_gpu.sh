@@ -4,6 +4,7 @@
 #   bash tests/gpu/run_preflight_gpu.sh cases MEGATRON_DIR TAG [--fd-detail]   # every required case
 #   bash tests/gpu/run_preflight_gpu.sh bench MEGATRON_DIR TAG                 # benchmarks/gpu/preflight_cost.py
 #   bash tests/gpu/run_preflight_gpu.sh zoo MEGATRON_DIR TAG                   # cost, profile, zoo + bugs
+#       (JITTER=K: the zoo and bugs under K seeds of the noise's jitter; ZOO_TIMEOUT to match)
 #   bash tests/gpu/run_preflight_gpu.sh compare MEGATRON_DIR TAG OTHER_MG      # cost of this checkout and of
 #       another maingrad install (pip install --target OTHER_MG), alternating processes, then a trace
 #   bash tests/gpu/run_preflight_gpu.sh scaling MEGATRON_DIR TAG               # cost per micro-batch size and
@@ -41,7 +42,7 @@ case "$what" in
     echo "profile rc=$?"
     grep -h '^PROFILE module_fd' "$OUT/$tag-profile.log" | cut -c1-600
     PYTHONPATH=$PP timeout ${ZOO_TIMEOUT:-200} python3 tests/gpu/preflight_zoo.py --json "$OUT/$tag-zoo.json" \
-      zoo bugs > "$OUT/$tag-zoo.log" 2>&1
+      --jitter-seeds "${JITTER:-1}" zoo bugs > "$OUT/$tag-zoo.log" 2>&1
     echo "zoo rc=$?"
     grep -h '^ZOO' "$OUT/$tag-zoo.log" | cut -c1-160
     ;;
