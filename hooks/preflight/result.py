@@ -14,8 +14,8 @@ from maingrad.contracts.records import WHOLE_CALL, new_record, record_id
 # What a parameter's `verdict` can be besides an anomaly code (or several joined by "+"):
 OK = "ok"  # every law held and the finite-difference estimate agrees within its error bar
 UNUSED = (
-    "unused"  # zero gradient and the loss does not move beyond its noise along the parameter (an expert with no
-    # tokens; also a parameter whose effect is below the loss's rounding noise)
+    "unused"  # zero gradient and the loss unchanged bit for bit with the parameter moved (an expert with no
+    # tokens); a loss that moves within its noise is inconclusive: an effect below the noise is not seen
 )
 INCONCLUSIVE = "inconclusive"  # the laws held but no step gave a reliable estimate: `notes` say why
 VERDICTS: tuple[str, ...] = (OK, UNUSED, INCONCLUSIVE, *PREFLIGHT_ANOMALIES)
@@ -318,6 +318,12 @@ class PreflightResult:
         judged = [g for g in self.groups if g.verdict != "not judged"]
         if judged:
             lines.append("  finite differences (reported / estimated, error bar, step), per probe:")
+            noise, drawn = self.tolerances.get("fd_noise"), self.tolerances.get("fd_noise_drawn")
+            if isinstance(noise, float) and isinstance(drawn, float) and noise > drawn:
+                lines.append(
+                    f"    the loss's noise {noise:.3g}: its measured draw {drawn:.3g}, raised by what steps below "
+                    "an agreeing pair showed"
+                )
             for g in judged:
                 scale = "-" if g.scale is None else f"{g.scale:.4g}"
                 err = "" if g.error is None else f" +-{g.error:.2g}"
