@@ -456,6 +456,21 @@ def refuting(
     return step
 
 
+def _below_pair(
+    levels: Sequence[tuple[float, float, float]], est: Estimate
+) -> list[tuple[float, float, float]]:
+    """The levels of a reliable estimate at steps below its pair (largest first), with a prediction and finite
+    numbers: where truncation is smaller than at the pair, so what departs from r x P there is noise."""
+    if est.ratio is None or est.pair is None or not est.reliable:
+        return []
+    small = min(est.pair)
+    return [
+        (s, c, p)
+        for s, c, p in sorted(levels, reverse=True)
+        if s < small and p != 0.0 and math.isfinite(c) and math.isfinite(p)
+    ]
+
+
 def contradicted(
     levels: Sequence[tuple[float, float, float]], est: Estimate, noise: float, floor: float = 0.0
 ) -> str | None:
@@ -464,12 +479,11 @@ def contradicted(
     than the loss's noise (3 x, at least `floor`) and the estimate's own error bar allow. Then the noise this
     probe sees is larger than measured (a bf16 forward's rounding of activations the move passes through),
     and two steps agreeing above it is no proof. None where every smaller step agrees."""
-    if est.ratio is None or est.pair is None or not est.reliable:
+    below = _below_pair(levels, est)
+    if est.ratio is None or not below:
         return None
-    r, small, bar = est.ratio, min(est.pair), max(noise, floor)
-    for s, c, p in sorted(levels, reverse=True):
-        if s >= small or p == 0.0 or not (math.isfinite(c) and math.isfinite(p)):
-            continue
+    r, bar = est.ratio, max(noise, floor)
+    for s, c, p in below:
         allowed = 3 * bar + (est.error or 0.0) * abs(r * p)
         if abs(c - r * p) > allowed:
             return (
@@ -488,15 +502,11 @@ def noise_shown(levels: Sequence[tuple[float, float, float]], est: Estimate) -> 
     pair's): on the CPU population's bf16 models it varied up to 100x with the jitter's seed, and a low draw
     set steps where the rounding was 30x the draw; steps below the pair, measured while the probe looked for
     two that agree, show that."""
-    if est.ratio is None or est.pair is None or not est.reliable:
+    below = _below_pair(levels, est)
+    if est.ratio is None or not below:
         return 0.0
-    r, small, err = est.ratio, min(est.pair), est.error or 0.0
-    shown = 0.0
-    for s, c, p in levels:
-        if s >= small or p == 0.0 or not (math.isfinite(c) and math.isfinite(p)):
-            continue
-        shown = max(shown, 2 * (abs(c - r * p) - err * abs(r * p)))
-    return shown
+    r, err = est.ratio, est.error or 0.0
+    return max(0.0, *(2 * (abs(c - r * p) - err * abs(r * p)) for _, c, p in below))
 
 
 def judge_levels(
