@@ -115,8 +115,9 @@ class Moves:
             # Zero-padded elements move by nothing and add nothing
             batched = device.type != "cpu" or BATCH_STEPS_ON_CPU
             per = max(1, STEPS_CHUNK // (rows * SUBSET)) if batched else 1
+            candidates = to_device(CANDIDATE_STEPS, device)[:, None, None]  # one transfer for every chunk
             for a in range(0, len(CANDIDATE_STEPS), per):
-                steps = to_device(CANDIDATE_STEPS[a : a + per], device)[:, None, None]
+                steps = candidates[a : a + per]
                 moved = (weights + steps * moves).to(wdtype).to(cdt).float() - start
                 parts.append((moved * grads).sum(dim=2, dtype=torch.float64) * scale)  # [steps, rows]
                 del moved
