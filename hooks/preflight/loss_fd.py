@@ -202,7 +202,7 @@ class LossFD:
         # the jitter pair's draw of it: the zero-gradient probes and the visibility check keep it where levels
         # below a pair raised `noise` (`_judge`), as before that raise existed
         self.drawn = 0.0
-        self.noise_revisions = 0  # raises of `noise` by what levels below a pair showed (`_judge`)
+        self.noise_raises = 0  # raises of `noise` by what levels below a pair showed (`_judge`)
         self.invisible = False  # no probe's perturbation ever moved the loss (set by probe_first())
         self.loss_level = 0.0
         self.zero_noise = 0.0
@@ -634,7 +634,7 @@ class LossFD:
             # the levels below its pair show more noise than was measured: the measure was a low draw, and this
             # estimate's error bar (and every later one's) rests on the noise these levels show
             noise = self.noise = shown
-            self.noise_revisions += 1
+            self.noise_raises += 1
             est = judge_levels(levels, noise, node.zero, self._floor())
         node.probe.levels = sorted(levels, reverse=True)
         node.probe.noise = noise

@@ -296,7 +296,7 @@ def _execute(check: Check) -> PreflightResult:
         "fd_first_elements": check.loss_fd.first_elements,
         "bisection_depth": depth,
         # raises of the loss's noise above the jitter pair's draw by levels below a pair (loss_fd.LossFD._judge)
-        "fd_noise_raised": check.loss_fd.noise_revisions,
+        "fd_noise_raised": check.loss_fd.noise_raises,
         "params": len(check.entries),
         "microbatches": len(check.batches),
         "host_syncs": check.syncs,
