@@ -1,6 +1,6 @@
 """Grades of maingrad.hooks.preflight on the CPU populations, as counts (the tests only pass or fail).
 
-    python3 benchmarks/preflight_population.py [--seeds tuned|held-out] [--batches ABCDE] [--late]
+    python3 benchmarks/preflight_population.py [--seeds tuned|held-out] [--batches ABCDEF] [--late]
                                                [--declared] [--jitter-seeds K] [--jsonl FILE]
 
 Every case of `tests/hooks/preflight_wild.py` (architectures of the chosen batches x their seeds x correct
@@ -61,7 +61,7 @@ def graded_row(name: str, seed: int, bug: str | None, declared: bool, jitter: in
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", choices=("tuned", "held-out"), default="held-out")
-    parser.add_argument("--batches", default="ABCDE")
+    parser.add_argument("--batches", default="ABCDEF")
     parser.add_argument("--late", action="store_true")
     parser.add_argument("--declared", action="store_true")
     parser.add_argument("--jitter-seeds", type=int, default=0, metavar="K")

@@ -140,6 +140,9 @@ class Check:
         # they move as in training. The buffers a run wrote: `stateful`
         self.buffers = BufferState(model)
         self.stateful: set[str] = set()
+        # parameters a run's forward wrote in place (an Embedding's max_norm renormalises the rows it looks up):
+        # the loss is not a function of the weight their gradient is for (`Adapter.tracks_writes`)
+        self.written: set[int] = set()
         self.owners = {id(p): m for m in model.modules() for p in m._parameters.values() if p is not None}
         self.fp8_entries: set[int] = set()  # parameters whose module computed in FP8 (known after a run)
         self.synced = False  # prepare() or commit() ran after the last change of the weights
@@ -270,6 +273,8 @@ class Check:
         del left
         self.buffers.restore(aliased=False)
         self.step_start.begin()
+        # (preflight's own moves go through .data: a tensor with a version counter of its own)
+        versions = [e.raw_param._version for e in self.entries] if self.adapter.tracks_writes else []
         with probe.watching() if probe is not None else contextlib.nullcontext():
             for b in which:
                 if probe is not None:
@@ -279,6 +284,11 @@ class Check:
                     self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         self.adapter.finish()
         self.stateful.update(self.buffers.moved())
+        self.written.update(
+            i
+            for i, (e, v) in enumerate(zip(self.entries, versions, strict=False))
+            if e.raw_param._version != v
+        )
         flats = self._grads()
         present = [i for i, f in enumerate(flats) if f is not None]
         self.present[key] = set(present)

@@ -113,6 +113,7 @@ class LocalFD:
                 or type(t) is not torch.nn.Parameter
                 or local.probed_kind(owner, self.declared) is None
                 or i in check.fp8_entries
+                or i in check.written
             ):
                 out.append(i)
         return out
@@ -168,7 +169,7 @@ class LocalFD:
         by_owner: dict[int, list[int]] = {}
         for i in self.weights.values():
             g = self.check.loss_fd.gnorms[i]
-            if self.check.copy[i] is None or not (g > 0 and math.isfinite(g)):
+            if self.check.copy[i] is None or not (g > 0 and math.isfinite(g)) or i in self.check.written:
                 continue
             bound = self.check.loss_fd.resolution.get(i)
             if bound is not None and bound - 1 < BOUND_ENOUGH:  # the loss-level probe already bounds it

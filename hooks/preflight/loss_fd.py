@@ -57,6 +57,11 @@ SPREAD_TOL = 2.0**-5
 # draw was the same for every jitter seed on the CPU population, and what levels below a pair show is a kink's
 # (a ReLU near 0) departure from the pair's average slope, not noise
 DRAWN_NOISE_UNIT = 2.0**-12
+WRITTEN_NOTE = (
+    "the forward writes this parameter in place (an Embedding's max_norm renormalises the rows it looks up): the "
+    "loss is not a function of the weight its gradient is for, so the finite differences cannot judge it (the "
+    "accumulation checks still ran); preflight leaves it as the forward wrote it, as a training step would"
+)
 UNRELIABLE_SPLITS = 2  # a group with no reliable estimate is split this many times before "inconclusive"
 
 
@@ -352,9 +357,11 @@ class LossFD:
         moves = self.first_moves = Moves(self.check)
         self.gnorms = list(moves.gnorm)
         self.sizes = [moves.size(i, e.raw_param) for i, e in enumerate(self.check.entries)]
-        usable = [
-            i for i in range(len(self.check.entries)) if math.isfinite(moves.gnorm[i])
-        ]  # else no direction
+        usable = [  # else no direction, or a weight the forward writes (`Check.written`)
+            i
+            for i in range(len(self.check.entries))
+            if math.isfinite(moves.gnorm[i]) and i not in self.check.written
+        ]
         self.later = [i for i in usable if not moves.gnorm[i] > 0.0]
         self.now = [i for i in usable if moves.gnorm[i] > 0.0]
 
@@ -917,8 +924,13 @@ class LossFD:
         )
 
     def apply(self) -> None:
-        """Each parameter takes the verdict of the deepest finished probe that holds it."""
+        """Each parameter takes the verdict of the deepest finished probe that holds it; a weight the forward
+        writes is not probed, and says why."""
         kind = self.check.adapter.kind
+        for i in sorted(self.check.written):
+            r = self.check.results[i]
+            r.inconclusive = True
+            r.notes = [WRITTEN_NOTE]
         for probe in self.probes:  # created parents first, so the deepest probe is the last to write
             if probe.verdict in ("split", "not judged"):
                 continue

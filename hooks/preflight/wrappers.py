@@ -65,6 +65,9 @@ class Adapter:
 
     label = "plain"
     kind = "plain"  # one of WRAPPERS: selects the wrapper-specific "likely" and "fix" lines
+    # a run's forward writing a parameter in place shows in its version counter (`Check.written`): the wrappers
+    # below write the module's parameters themselves (all-gathers, installs), so there it would show always
+    tracks_writes = True
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model: Any = model  # duck-typed: the wrapper's own methods (zero_grad_buffer, ...) are called
@@ -165,6 +168,7 @@ class Fsdp2Adapter(Adapter):
 
     label = "torch FSDP2"
     kind = "fsdp2"
+    tracks_writes = False
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
@@ -232,6 +236,7 @@ class MegatronDdpAdapter(Adapter):
 
     label = "Megatron DDP"
     kind = "megatron-ddp"
+    tracks_writes = False
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
@@ -274,6 +279,7 @@ class MegatronFsdpAdapter(Adapter):
 
     label = "Megatron-FSDP"
     kind = "megatron-fsdp"
+    tracks_writes = False
 
     def _named(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         out = []

@@ -1,6 +1,6 @@
 """A second CPU population for maingrad.hooks.preflight, written after `preflight_zoo.py` and never tuned to:
-52 architectures its author had not run preflight on, fp32 and bf16, each correct and with bugs on a parameter
-drawn at random from those with a gradient in float64 (batches A-E below).
+66 architectures its author had not run preflight on, fp32 and bf16, each correct and with bugs on a parameter
+drawn at random from those with a gradient in float64 (batches A-F below).
 
 Each batch was run once before anything was changed for it; what it found was fixed and the batch kept:
 - A (13: TransformerEncoder/MultiheadAttention, LSTM, GRU, conv + BatchNorm, GQA with rotary embeddings and
@@ -28,6 +28,13 @@ Each batch was run once before anything was changed for it; what it found was fi
   wrong blame (a bf16 router whose loss jumps as top-k choices flip read x13.5 at two steps: `refuting` since),
   and zeroed gradients on two weights whose whole effect stays within the loss's noise read `unused`
   (held as `KNOWN_MISSES` until `unused` needed the loss unchanged bit for bit: `inconclusive` since).
+- F (14, mechanisms none of the above has: an Embedding with max_norm, an orthogonal parametrization,
+  scaled_dot_product_attention, CaiT layer scale at 1e-4, a hypernetwork, a contrastive loss with a learned
+  temperature, an L2 penalty in the loss, ignore_index padding, a packed LSTM, index_add_ message passing, a
+  flow with log|det W|, transposed convolutions; fp32 and bf16), 3 + 3 seeds, run once: the held-out seeds all
+  right; on the tuned ones a false alarm and 8 wrong blames on the max_norm embedding of one seed (its forward
+  renormalises the rows it looks up: a parameter written in place is `inconclusive` since), and a silent miss
+  kept in `KNOWN_MISSES`.
 
 `test_preflight_wild.py` holds every case to: a correct model passes (a stateful forward: or is inconclusive
 on that account alone); a bug is named on its parameter and nowhere else, or its miss is visible (the
@@ -917,6 +924,245 @@ class Transposed(nn.Module):
         return self.c(F.gelu(self.b(F.gelu(self.a(x)))))
 
 
+# -- batch F -------------------------------------------------------------------------------------------------
+class MaxNormEmbedding(nn.Module):
+    """An embedding with max_norm: its forward renormalises the rows it looks up, in place, under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 16, max_norm=1.0)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(x))))
+
+
+class Orthogonal(nn.Module):
+    """torch.nn.utils.parametrizations.orthogonal: the layer computes with a matrix derived from `original`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.rot = torch.nn.utils.parametrizations.orthogonal(nn.Linear(16, 16))
+        self.out = nn.Linear(16, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.rot(torch.tanh(self.inp(x)))))
+
+
+class SDPABlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.fc = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc(self.ln2(x))
+
+
+class SDPAGPT(nn.Module):
+    """A GPT whose attention is F.scaled_dot_product_attention (causal), untied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 32)
+        self.pos = nn.Parameter(0.02 * torch.randn(8, 32))
+        self.blocks = nn.ModuleList(SDPABlock(32, 4) for _ in range(2))
+        self.ln = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 40, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+class LayerScaleViT(nn.Module):
+    """CaiT-style layer scale: each residual branch multiplied by a per-channel weight initialised to 1e-4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 24, 3, stride=3)
+        self.pos = nn.Parameter(0.02 * torch.randn(1, 4, 24))
+        self.ln1, self.ln2 = nn.LayerNorm(24), nn.LayerNorm(24)
+        self.attn = nn.MultiheadAttention(24, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 24))
+        self.gamma1 = nn.Parameter(1e-4 * torch.ones(24))
+        self.gamma2 = nn.Parameter(1e-4 * torch.ones(24))
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patch(x.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2) + self.pos
+        a = self.ln1(h)
+        h = h + self.gamma1 * self.attn(a, a, a, need_weights=False)[0]
+        h = h + self.gamma2 * self.mlp(self.ln2(h))
+        return self.head(h.mean(1))
+
+
+class HyperNet(nn.Module):
+    """The main layer's weight is generated from a learned code by another layer (not a parameter itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.code = nn.Parameter(torch.randn(6))
+        self.gen = nn.Linear(6, 12 * 12)
+        self.bias = nn.Parameter(torch.zeros(12))
+        self.out = nn.Linear(12, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.gen(self.code).view(12, 12) / 4
+        return self.out(torch.tanh(F.linear(x, w, self.bias)))
+
+
+class Contrastive(nn.Module):
+    """CLIP-style: two towers, normalised features, a learned temperature; the loss couples a micro-batch's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 16))
+        self.text = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 16))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a, b = F.normalize(self.image(x), dim=-1), F.normalize(self.text(y), dim=-1)
+        return self.logit_scale.exp() * a @ b.t()
+
+
+def contrastive_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    logits = model(x, y).float()
+    labels = torch.arange(logits.shape[0])
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+class Regularised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(12, 32), nn.SiLU(), nn.Linear(32, 32), nn.SiLU(), nn.Linear(32, 12)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def l2_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """MSE plus an L2 penalty on the weights computed in the loss (weight decay written by hand)."""
+    penalty = sum((p.float() ** 2).sum() for n, p in model.named_parameters() if n.endswith("weight"))
+    return mse(model, batch) + 1e-3 * penalty
+
+
+def padded_tokens(n: int, seed: int) -> list[Batch]:
+    """Token batches whose targets are padded with -100 from a per-row length (packed sequences): each
+    micro-batch's mean runs over a different number of tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 40, (3, 8), generator=gen)
+        y = torch.randint(0, 40, (3, 8), generator=gen)
+        lengths = torch.randint(3, 9, (3,), generator=gen)
+        y[torch.arange(8)[None, :] >= lengths[:, None]] = -100
+        out.append((x, y))
+    return out
+
+
+def ignore_index_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, target = batch
+    logits = model(x).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
+class PackedLSTM(nn.Module):
+    """An LSTM over pack_padded_sequence: each row stops at its own length (from its padding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 16)
+        self.rnn = nn.LSTM(16, 24, batch_first=True)
+        self.head = nn.Linear(24, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = 8 - (x == 0).long().cumprod(1).sum(1).clamp(max=5)  # leading padding shortens a row
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.emb(x), lengths, batch_first=True, enforce_sorted=False
+        )
+        out, _ = self.rnn(packed)
+        h, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return self.head(h)
+
+
+class GraphNet(nn.Module):
+    """Message passing with index_add_ over a fixed ring-and-chords graph, then a mean readout per row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        n = 12
+        src = torch.cat([torch.arange(n), torch.arange(n), torch.arange(0, n, 3)])
+        dst = torch.cat(
+            [(torch.arange(n) + 1) % n, (torch.arange(n) - 1) % n, (torch.arange(0, n, 3) + 5) % n]
+        )
+        self.register_buffer("src", src)
+        self.register_buffer("dst", dst)
+        self.embed = nn.Linear(1, 16)
+        self.msg = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.upd = nn.ModuleList(nn.Linear(32, 16) for _ in range(2))
+        self.out = nn.Linear(16, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x.unsqueeze(-1)))  # (rows, nodes, 16)
+        for msg, upd in zip(self.msg, self.upd, strict=True):
+            m = msg(h)[:, self.src]
+            agg = torch.zeros_like(h).index_add_(1, self.dst, m)
+            h = torch.tanh(upd(torch.cat([h, agg], -1)))
+        return self.out(h.mean(1))
+
+
+class Flow(nn.Module):
+    """An invertible linear and an affine coupling: the loss is a negative log-likelihood with log|det W|."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.eye(12) + 0.1 * torch.randn(12, 12))
+        self.net = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 12))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = x @ self.w.t()
+        a, b = z[:, :6], z[:, 6:]
+        s, t = self.net(a).chunk(2, -1)
+        s = torch.tanh(s)
+        return torch.cat([a, b * s.exp() + t], -1), torch.linalg.slogdet(self.w)[1] + s.sum(-1)
+
+
+def flow_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    z, logdet = model(batch[0])
+    return (0.5 * (z.float() ** 2).sum(-1) - logdet.float()).mean()
+
+
+class ConvTransposeDecoder(nn.Module):
+    """A code up-sampled by ConvTranspose2d (with a BatchNorm between) into a 12-pixel row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 8 * 3)
+        self.up1 = nn.ConvTranspose1d(8, 8, 2, stride=2)
+        self.bn = nn.BatchNorm1d(8)
+        self.up2 = nn.ConvTranspose1d(8, 1, 2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).view(-1, 8, 3)
+        h = F.gelu(self.bn(self.up1(h)))
+        return self.up2(h).view(-1, 12)
+
+
 # -- batches and losses --------------------------------------------------------------------------------------
 def tokens(n: int, seed: int) -> list[Batch]:
     gen = torch.Generator().manual_seed(seed)
@@ -969,8 +1215,9 @@ class WildCase:
     loss: Callable[[nn.Module, Batch], torch.Tensor]
     batches: Callable[[int, int], list[Batch]]
     batch: str  # "A" .. "E"
-    # the forward writes a buffer it computes with (spectral norm's power iteration): the sequence's later
-    # micro-batches see it moved, as in training, so a correct model may end inconclusive on that account
+    # the forward writes a buffer it computes with (spectral norm's power iteration: the sequence's later
+    # micro-batches see it moved, as in training) or a parameter (an Embedding's max_norm: the finite differences
+    # cannot judge it), so a correct model may end inconclusive on that account
     stateful: bool = False
 
 
@@ -1029,14 +1276,33 @@ CASES: dict[str, WildCase] = {
         WildCase("recompute", lambda: Recomputed(False), cross_entropy, tokens, "E"),
         WildCase("recompute-reentrant", lambda: Recomputed(True), cross_entropy, tokens, "E"),
         WildCase("transposed-linear", Transposed, mse, rows, "E"),
+        WildCase("embedding-max-norm", MaxNormEmbedding, cross_entropy, tokens, "F", stateful=True),
+        WildCase("orthogonal-parametrization", Orthogonal, mse, rows, "F"),
+        WildCase("sdpa-gpt", SDPAGPT, cross_entropy, tokens, "F"),
+        WildCase("sdpa-gpt-bf16", lambda: SDPAGPT().bfloat16(), cross_entropy, tokens, "F"),
+        WildCase("layerscale-vit", LayerScaleViT, cross_entropy, images(6, batch=4), "F"),
+        WildCase(
+            "layerscale-vit-bf16", lambda: LayerScaleViT().bfloat16(), cross_entropy, images(6, batch=4), "F"
+        ),
+        WildCase("hypernetwork", HyperNet, mse, rows, "F"),
+        WildCase("contrastive-temperature", Contrastive, contrastive_loss, rows, "F"),
+        WildCase("l2-in-loss", Regularised, l2_loss, rows, "F"),
+        WildCase("ignore-index-padding", SDPAGPT, ignore_index_loss, padded_tokens, "F"),
+        WildCase("lstm-packed", PackedLSTM, cross_entropy, tokens, "F"),
+        WildCase("graph-index-add", GraphNet, mse, rows, "F"),
+        WildCase("flow-logdet", Flow, flow_loss, rows, "F"),
+        WildCase("conv-transpose-batchnorm", ConvTransposeDecoder, mse, rows, "F"),
     ]
 }
 
-SEEDS = {"A": (0, 1, 2), "B": (3, 4, 5), "C": tuple(range(6, 16)), "D": (20, 21, 22), "E": (50, 51, 52)}
+SEEDS = {
+    "A": (0, 1, 2), "B": (3, 4, 5), "C": tuple(range(6, 16)), "D": (20, 21, 22), "E": (50, 51, 52), "F": (60, 61, 62)
+}  # fmt: skip
 # drawn after every rule and threshold was set, and run once before this file's target picker was mended (the
 # only change they led to): the population's held-out part, graded like the rest
 HELD_OUT_SEEDS = {
-    "A": (30, 31, 32), "B": (33, 34, 35), "C": tuple(range(36, 46)), "D": (46, 47, 48), "E": (53, 54, 55)
+    "A": (30, 31, 32), "B": (33, 34, 35), "C": tuple(range(36, 46)), "D": (46, 47, 48), "E": (53, 54, 55),
+    "F": (63, 64, 65),
 }  # fmt: skip
 
 
@@ -1045,11 +1311,16 @@ def _zeroed(model: nn.Module, name: str) -> None:
 
 
 # Misses the population finds and the tests hold as such (strict xfail: a case that starts passing fails them).
-# Keys: (case, seed, bug, True where only the loss-level probe after the screening misses it). Empty: `unused`
-# needs the loss unchanged bit for bit, so a zeroed gradient whose whole effect stays within the loss's noise
-# (a selective scan's A_log, held-out seed 55; a zero-initialised (1 + w) norm weight in bf16, seed 54 on the
-# forced late path) is `inconclusive` with that bound: a visible miss.
-KNOWN_MISSES: dict[tuple[str, int, str, bool], str] = {}
+# Keys: (case, seed, bug, True where only the loss-level probe after the screening misses it). `unused` needs
+# the loss unchanged bit for bit, so a zeroed gradient whose whole effect stays within the loss's noise (a
+# selective scan's A_log, held-out seed 55; a zero-initialised (1 + w) norm weight in bf16, seed 54 on the
+# forced late path) is `inconclusive` with that bound: a visible miss. Not where the effect rounds away whole.
+KNOWN_MISSES: dict[tuple[str, int, str, bool], str] = {
+    ("layerscale-vit-bf16", 60, "zeroed", False): (
+        "layer scale 1e-4 in bf16: the attention branch's output rounds away in the residual add, so the loss "
+        "does not move bit for bit when in_proj_weight moves and its zeroed gradient reads `unused`"
+    ),
+}
 
 
 # bug -> (inject(model, parameter name), the anomaly it must get or None for any, the factor it applies)
@@ -1081,6 +1352,7 @@ BUGS_OF = {
         "third-lost",
     ),
 }
+BUGS_OF["F"] = BUGS_OF["E"]
 
 
 def target(case: WildCase, model: nn.Module, seed: int) -> str:
@@ -1143,7 +1415,10 @@ def grade(
         if result.status == "pass":
             return "pass", result, None
         if case.stateful and result.status == "inconclusive":
-            buffers = all("the forward writes buffers" in " ".join(p.notes) for p in unsure)
+            buffers = all(
+                any(w in " ".join(p.notes) for w in ("the forward writes buffers", "the forward writes this"))
+                for p in unsure
+            )
             return ("stateful-inconclusive" if buffers else "inconclusive"), result, None
         return (result.status if result.status in ("inconclusive", "error") else "false-alarm"), result, None
     named = {p.name: p.anomalies for p in result.params if p.anomalies}

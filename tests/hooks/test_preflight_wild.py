@@ -1,4 +1,4 @@
-"""maingrad.hooks.preflight on the untuned population of `preflight_wild.py` (52 architectures, fp32 and
+"""maingrad.hooks.preflight on the untuned population of `preflight_wild.py` (66 architectures, fp32 and
 bf16, 3 or 10 seeds each, 4 to 9 bug kinds on a parameter drawn at random; the same again with the held-out
 seeds): a correct model passes (a stateful forward: or is inconclusive on that account alone); a bug is named
 on its parameter and nowhere else, with the anomaly its kind must get, or its miss is visible (the parameter
