@@ -273,8 +273,13 @@ class Check:
         del left
         self.buffers.restore(aliased=False)
         self.step_start.begin()
-        # (preflight's own moves go through .data: a tensor with a version counter of its own)
-        versions = [e.raw_param._version for e in self.entries] if self.adapter.tracks_writes else []
+        # (preflight's own moves go through .data: a tensor with a version counter of its own; a tensor subclass,
+        # a quantized weight, may update its own caches in place: -1, not watched)
+        versions = (
+            [e.raw_param._version if type(e.raw_param) is torch.nn.Parameter else -1 for e in self.entries]
+            if self.adapter.tracks_writes
+            else []
+        )
         with probe.watching() if probe is not None else contextlib.nullcontext():
             for b in which:
                 if probe is not None:
@@ -287,7 +292,7 @@ class Check:
         self.written.update(
             i
             for i, (e, v) in enumerate(zip(self.entries, versions, strict=False))
-            if e.raw_param._version != v
+            if v >= 0 and e.raw_param._version != v
         )
         flats = self._grads()
         present = [i for i, f in enumerate(flats) if f is not None]
