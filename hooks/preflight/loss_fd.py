@@ -927,7 +927,7 @@ class LossFD:
         """Each parameter takes the verdict of the deepest finished probe that holds it; a weight the forward
         writes is not probed, and says why."""
         kind = self.check.adapter.kind
-        for i in sorted(self.check.written):
+        for i in sorted(self.check.written) if self.check.finite_differences else ():
             r = self.check.results[i]
             r.inconclusive = True
             r.notes = [WRITTEN_NOTE]

@@ -38,8 +38,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _run(model: nn.Module):  # noqa: ANN202 - the result type
-    return preflight(model, microbatch(_loss), _batches(), loss_fn=_loss)
+def _run(model: nn.Module, **kwargs: object):  # noqa: ANN202 - the result type
+    return preflight(model, microbatch(_loss), _batches(), loss_fn=_loss, **kwargs)
 
 
 def test_a_parameter_the_forward_writes_is_inconclusive_with_the_reason() -> None:
@@ -69,3 +69,11 @@ def test_a_bug_beside_the_written_parameter_is_still_named() -> None:
     result = _run(model)
     named = {p.name: p.anomalies for p in result.params if p.anomalies}
     assert named == {"mix.weight": ["grad_scaled"]}
+
+
+def test_without_finite_differences_the_written_parameter_is_not_flagged() -> None:
+    """Nothing is judged by finite differences then: the written weight is no exception to report."""
+    torch.manual_seed(60)
+    result = _run(MaxNorm(1.0), finite_differences=False)
+    assert result.status == "pass"
+    assert not any(p.inconclusive for p in result.params)
