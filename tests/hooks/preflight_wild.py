@@ -1148,7 +1148,7 @@ def flow_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class ConvTransposeDecoder(nn.Module):
-    """A code up-sampled by ConvTranspose2d (with a BatchNorm between) into a 12-pixel row."""
+    """A code up-sampled by two ConvTranspose1d (with a BatchNorm between) into a row of 12."""
 
     def __init__(self) -> None:
         super().__init__()
