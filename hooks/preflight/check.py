@@ -274,12 +274,12 @@ class Check:
         self.buffers.restore(aliased=False)
         self.step_start.begin()
         # (preflight's own moves go through .data: a tensor with a version counter of its own; a tensor subclass,
-        # a quantized weight, may update its own caches in place: -1, not watched)
-        versions = (
-            [e.raw_param._version if type(e.raw_param) is torch.nn.Parameter else -1 for e in self.entries]
-            if self.adapter.tracks_writes
-            else []
-        )
+        # a quantized weight, may update its own caches in place: not watched)
+        versions = {
+            i: e.raw_param._version
+            for i, e in enumerate(self.entries)
+            if self.adapter.tracks_writes and type(e.raw_param) is torch.nn.Parameter
+        }
         with probe.watching() if probe is not None else contextlib.nullcontext():
             for b in which:
                 if probe is not None:
@@ -289,11 +289,7 @@ class Check:
                     self.first_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         self.adapter.finish()
         self.stateful.update(self.buffers.moved())
-        self.written.update(
-            i
-            for i, (e, v) in enumerate(zip(self.entries, versions, strict=False))
-            if v >= 0 and e.raw_param._version != v
-        )
+        self.written.update(i for i, v in versions.items() if self.entries[i].raw_param._version != v)
         flats = self._grads()
         present = [i for i, f in enumerate(flats) if f is not None]
         self.present[key] = set(present)

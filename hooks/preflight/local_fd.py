@@ -113,7 +113,6 @@ class LocalFD:
                 or type(t) is not torch.nn.Parameter
                 or local.probed_kind(owner, self.declared) is None
                 or i in check.fp8_entries
-                or i in check.written
             ):
                 out.append(i)
         return out
