@@ -180,11 +180,18 @@ def scale_note(r: ParamResult, scale: float, kind: str) -> str:
     return f"the optimizer's gradient is {scale:.3g} x the finite-difference estimate"
 
 
-def lost_note(kind: str) -> str:
+def lost_note(kind: str, module: bool = False) -> str:
+    """`module`: found on the parameter's module output (`local_fd.py`), which moves to first order in the loss
+    (dotted with the gradient its backward handed it) even where the loss itself rounds the change away."""
     where = {"megatron-fsdp": "main_grad / the optimizer's .grad", "megatron-ddp": "main_grad"}.get(
         kind, ".grad"
     )
-    return f"the reported gradient is zero but the loss moves along this parameter: its gradient never reached {where}"
+    moves = (
+        "its module's output moves along this parameter, against the gradient the backward handed that output"
+        if module
+        else "the loss moves along this parameter"
+    )
+    return f"the reported gradient is zero but {moves}: its gradient never reached {where}"
 
 
 def solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
@@ -281,7 +288,7 @@ def fd_verdict(r: ParamResult, verdict: str, scale: float | None, kind: str) -> 
     """The finite-difference verdict of the probe that judged this parameter."""
     if verdict == "lost":
         r.anomalies.append("grad_lost")
-        r.notes.append(lost_note(kind))
+        r.notes.append(lost_note(kind, module=(r.fd_probe or "").startswith("module ")))
     elif verdict == "scaled" and scale is not None:
         r.anomalies.append("grad_scaled")
         r.notes.append(scale_note(r, scale, kind))

@@ -81,6 +81,13 @@ PROBED = frozenset(
         "VocabParallelEmbedding",
     }
 )
+# torch modules whose output is not affine in their parameters (attention: a softmax of a product of two
+# projections) and whose forward reads a child's parameters itself (MultiheadAttention's out_proj, never called):
+# judged here only for weights whose reported gradient is zero on every micro-batch, where the question is
+# whether the output moves at all (no linearity needed; a nonzero gradient is never compared here), each rerun
+# first checked against the forward's own output. Where its branch rounds away in a residual sum (a layer
+# scale of 1e-4 in bf16) the loss does not move bit for bit, but the output does and its gradient is not zero
+ZERO_PROBED = frozenset({"MultiheadAttention"})
 ORIGINS = ("torch.nn.", "transformer_engine.", "megatron.")
 EPS_BIG = 2.0**6  # a weight's largest step relative to its norm (of a bias at zero: its floored norm)
 EPS_FLOOR = 2.0**-7  # the smallest: a bf16 weight moved by less rounds back to itself almost everywhere
@@ -123,6 +130,22 @@ def _probed(module: torch.nn.Module | None, declared: tuple[type, ...]) -> tuple
     if found is None or "forward" in vars(module) or holds_parameter_children(module):
         return None
     return found
+
+
+def zero_probed(module: torch.nn.Module | None) -> str | None:
+    """The ZERO_PROBED class a module is, when the forward it runs is torch's own and draws no random numbers
+    (no dropout while training: a rerun would draw others, and move the random state the runs after it read):
+    its weights whose reported gradient is zero are judged on its output."""
+    if module is None or "forward" in vars(module):
+        return None
+    mro = type(module).__mro__
+    defining = next((c for c in mro if "forward" in vars(c)), None)
+    cls = next((c for c in mro if c.__name__ in ZERO_PROBED and c.__module__.startswith("torch.nn.")), None)
+    if cls is None or defining is None or defining is not cls:
+        return None
+    if module.training and float(getattr(module, "dropout", 0.0) or 0.0) > 0.0:
+        return None
+    return cls.__name__
 
 
 def holds_parameter_children(module: torch.nn.Module) -> bool:
@@ -180,9 +203,9 @@ class Sums:
     summing: list[torch.Tensor] = field(default_factory=list)
     # 2: central differences; 1: forward differences against the forward's own output (`one_sided`)
     sides: set[int] = field(default_factory=set)
-    # a declared class's call (`probed_kind`): <dy, y(w) - y> of a rerun with nothing moved against the
-    # forward's own output y, its variance and rounding bound, per call: beyond its error bar the rerun does
-    # not compute what the forward did (randomness or state the class was vouched not to have)
+    # a declared class's call (`probed_kind`) or a ZERO_PROBED one: <dy, y(w) - y> of a rerun with nothing
+    # moved against the forward's own output y, its variance and rounding bound, per call: beyond its error bar
+    # the rerun does not compute what the forward did (randomness or state the class was vouched not to have)
     reproduced: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -220,8 +243,8 @@ class _Call:
     # what holding it counts against the bound (`LocalProbe.hold_bytes`), taken at the forward: the same bytes
     # are given back at its release
     held_bytes: int = 0
-    # a class of the caller's (`probed_kind`): the forward's output and its version, which a rerun with nothing
-    # moved must reproduce
+    # a class of the caller's (`probed_kind`) or a ZERO_PROBED one: the forward's output and its version,
+    # which a rerun with nothing moved must reproduce
     original: tuple[torch.Tensor, int] | None = None
 
 
@@ -407,6 +430,9 @@ class LocalProbe:
         planned = [
             (i, t) for i, t in accounted if i in self.plan and self.plan[i].only in (None, self.current)
         ]
+        kind = _probed(module, self.declared)
+        if kind is None:  # a ZERO_PROBED module (`watching`): only its zero gradients' random moves
+            planned = [(i, t) for i, t in planned if self.plan[i].direction is None]
         if not planned:
             return
         outputs = leaves(output)
@@ -438,8 +464,9 @@ class LocalProbe:
             else:
                 self.unheld_calls += 1
                 self.unheld.update(alone)
-        kind = _probed(module, self.declared) if self.declared else None
-        declared = kind is not None and kind[1]
+        # a declared class, or a ZERO_PROBED one (not affine: no exact finite difference to lean on), is held
+        # to its forward's output
+        checked = kind is None or kind[1]
         call = _Call(
             module=module,
             args=args,
@@ -451,7 +478,7 @@ class LocalProbe:
             autocast=autocast,
             held=held,
             held_bytes=held_bytes,
-            original=(out, out._version) if declared else None,
+            original=(out, out._version) if checked else None,
         )
         self._pending[id(call)] = call
         out.register_hook(self._on_grad(call))
@@ -582,7 +609,7 @@ class LocalProbe:
     def watching(self) -> Iterator[LocalProbe]:
         handles = []
         for module in self.model.modules():
-            if probed_kind(module, self.declared) is None:
+            if probed_kind(module, self.declared) is None and zero_probed(module) is None:
                 continue
             handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))

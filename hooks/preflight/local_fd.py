@@ -87,11 +87,15 @@ class LocalFD:
         if not self.on:
             return zero
         check = self.check
+        owner = {i: check.owners.get(id(check.entries[i].raw_param)) for i in zero}
         self.deferred = [
             i
             for i in zero
             if id(check.entries[i].raw_param) in self.weights
-            and local.probed_kind(check.owners.get(id(check.entries[i].raw_param)), self.declared) is not None
+            and (
+                local.probed_kind(owner[i], self.declared) is not None
+                or local.zero_probed(owner[i]) is not None
+            )
         ]
         deferred = set(self.deferred)
         return [i for i in zero if i not in deferred]

@@ -15,7 +15,7 @@ import torch
 from preflight_zoo import cross_entropy, microbatch, mse, regression_batches, token_batches
 from torch import nn
 
-from maingrad.hooks.preflight.local import LocalProbe, Move, prediction, probed_kind
+from maingrad.hooks.preflight.local import LocalProbe, Move, prediction, probed_kind, zero_probed
 from maingrad.hooks.preflight.local_fd import BYPASSED, UNSURE
 from maingrad.hooks.preflight.run import preflight
 
@@ -105,6 +105,93 @@ def test_a_zero_gradient_the_output_depends_on_is_lost_and_one_it_does_not_is_un
     result = preflight(Idle(), microbatch(mse), regression_batches(3), loss_fn=mse)
     idle = {p.name: p for p in result.params if p.name.startswith("idle.")}
     assert result.ok and all(p.unused and p.fd_probe == "module idle" for p in idle.values()), result.table()
+
+
+class Scaled(nn.Module):
+    """An attention branch scaled by `scale` into a residual stream (CaiT's layer scale): at 1e-4 in bf16 its
+    whole output rounds away in the sum, while the gradient through it does not."""
+
+    def __init__(self, scale: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, dropout=dropout, batch_first=True)
+        self.head = nn.Linear(16, 16)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = 4.0 + x  # a residual stream far larger than the branch
+        h = h + self.scale * self.attn(x, x, x, need_weights=False)[0]
+        return self.head(h)
+
+
+def _scaled(scale: float, dtype: torch.dtype, dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return Scaled(scale, dropout).to(dtype)
+
+
+def _attention_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randn(3, 5, 16, generator=gen), torch.randn(3, 5, 16, generator=gen)) for _ in range(n)]
+
+
+def _attention_check(model: nn.Module) -> object:
+    return preflight(model, microbatch(mse), _attention_batches(3), loss_fn=mse)
+
+
+@pytest.mark.parametrize("name", ["attn.in_proj_weight", "attn.in_proj_bias"])
+def test_a_lost_attention_gradient_is_found_on_its_output_where_the_loss_rounds_it_away(name: str) -> None:
+    """The loss does not move bit for bit when the attention's weights move (the branch rounds away), so the
+    loss-level probe alone reads a dropped gradient there as `unused`; MultiheadAttention's output moves, and
+    its reported gradient is zero: `grad_lost` on the module, and nothing else named."""
+    model = _scaled(1e-4, torch.bfloat16)
+    dict(model.named_parameters())[name].register_hook(torch.zeros_like)
+    result = _attention_check(model)
+    assert _anomalies(result) == {name: ["grad_lost"]}, result.table()  # type: ignore[attr-defined]
+    p = next(p for p in result.params if p.name == name)  # type: ignore[attr-defined]
+    assert p.fd_probe == "module attn" and "its module's output moves" in " ".join(p.notes), p
+    alone = preflight(
+        _scaled(1e-4, torch.bfloat16), microbatch(mse), _attention_batches(3), loss_fn=mse, module_fd=False
+    )
+    assert alone.ok, alone.table()  # the correct model passes without the module reruns too
+    model = _scaled(1e-4, torch.bfloat16)
+    dict(model.named_parameters())[name].register_hook(torch.zeros_like)
+    blind = preflight(model, microbatch(mse), _attention_batches(3), loss_fn=mse, module_fd=False)
+    assert next(p for p in blind.params if p.name == name).unused, blind.table()  # what the reruns add
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_attention_gradient_is_never_judged_on_its_output_unless_it_is_zero(dtype: torch.dtype) -> None:
+    """Attention is not affine in its weights (a finite difference there has a truncation error): a correct
+    model passes, its attention weights judged by the loss alone; one truly unused (the branch multiplied by
+    zero: no gradient reaches the output either) is `unused`."""
+    result = _attention_check(_scaled(0.5, dtype))
+    assert result.ok, result.table()  # type: ignore[attr-defined]
+    for p in result.params:  # type: ignore[attr-defined]
+        assert not (p.name.startswith("attn.") and p.fd_local is not None), p
+    idle = _attention_check(_scaled(0.0, dtype))
+    attn = [p for p in idle.params if p.name.startswith("attn.")]  # type: ignore[attr-defined]
+    assert idle.ok and all(p.unused for p in attn), idle.table()  # type: ignore[attr-defined]
+
+
+def test_only_torch_attention_that_draws_no_random_numbers_is_rerun() -> None:
+    """A rerun of a dropout would draw other numbers (and move the random state the runs after it read); a
+    subclass's own forward is not torch's. Neither is rerun, and a lost gradient there is left to the loss."""
+
+    class Own(nn.MultiheadAttention):
+        def forward(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+            return super().forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    plain = nn.MultiheadAttention(8, 2)
+    assert zero_probed(plain) == "MultiheadAttention" and probed_kind(plain) is None
+    assert zero_probed(nn.MultiheadAttention(8, 2, dropout=0.1)) is None
+    assert zero_probed(nn.MultiheadAttention(8, 2, dropout=0.1).eval()) == "MultiheadAttention"
+    assert zero_probed(Own(8, 2)) is None and zero_probed(nn.Linear(4, 4)) is None
+    model = _scaled(1e-4, torch.bfloat16, dropout=0.1)
+    model.attn.in_proj_weight.register_hook(torch.zeros_like)
+    before = torch.random.get_rng_state()
+    result = _attention_check(model)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    p = next(p for p in result.params if p.name == "attn.in_proj_weight")  # type: ignore[attr-defined]
+    assert p.fd_probe != "module attn", result.table()  # type: ignore[attr-defined]
 
 
 def test_a_weight_used_outside_its_module_call_is_not_judged_there() -> None:
