@@ -430,11 +430,13 @@ class LocalProbe:
         planned = [
             (i, t) for i, t in accounted if i in self.plan and self.plan[i].only in (None, self.current)
         ]
+        if not planned:
+            return
         kind = _probed(module, self.declared)
         if kind is None:  # a ZERO_PROBED module (`watching`): only its zero gradients' random moves
             planned = [(i, t) for i, t in planned if self.plan[i].direction is None]
-        if not planned:
-            return
+            if not planned:
+                return
         outputs = leaves(output)
         outs = [
             k
