@@ -17,7 +17,8 @@ What the comparison rests on, and how each is checked before a verdict:
   run the weight's class is a subclass whose __torch_function__ notes the functions it takes part in, and a
   weight used anywhere else (a skipped bias returned to the caller, a weight tied by hand with F.linear, ...)
   is not moved nor judged here (the loss-level estimate judges it);
-- the call has exactly one output that needs a gradient, and it got one;
+- the call has exactly one output that needs a gradient, and it got one (a ZERO_PROBED module, below: each of
+  its outputs that gets one is measured at it);
 - the module's tensor inputs are unchanged when its output's gradient arrives (version counters), and it
   still holds the parameter objects it computed with (a sharding wrapper registers them per forward and
   backward: the weights are found at the call's pre-forward, after the wrapper's own hooks ran);
@@ -35,6 +36,12 @@ and, during the sequence, each weight on its own: those of a set whose screening
 loosely, along the sum of the singles, in the last single's micro-batch against that single's reported
 gradient; and weights whose reported gradient is zero on every micro-batch, along a random direction in every
 micro-batch (the module's output must not move, else the gradient was lost).
+
+Zero gradients only, in torch's MultiheadAttention (`ZERO_PROBED`): not affine in its weights, so a nonzero
+gradient is never compared there, but whether its output moves at all needs no linearity. Its out_proj child is
+never called (the attention reads its weight and bias itself): those are the attention call's. Each rerun is
+checked against the forward's own output first; with dropout while training each starts from the random state
+the forward started from.
 """
 
 from __future__ import annotations
@@ -133,9 +140,9 @@ def _probed(module: torch.nn.Module | None, declared: tuple[type, ...]) -> tuple
 
 
 def zero_probed(module: torch.nn.Module | None) -> str | None:
-    """The ZERO_PROBED class a module is, when the forward it runs is torch's own and draws no random numbers
-    (no dropout while training: a rerun would draw others, and move the random state the runs after it read):
-    its weights whose reported gradient is zero are judged on its output."""
+    """The ZERO_PROBED class a module is, when the forward it runs is torch's own: its weights whose reported
+    gradient is zero are judged on its output. (Its dropout draws from the default generators: their states
+    are taken as its forward starts and set again for each rerun, `draws_randomly`.)"""
     if module is None or "forward" in vars(module):
         return None
     mro = type(module).__mro__
@@ -143,9 +150,32 @@ def zero_probed(module: torch.nn.Module | None) -> str | None:
     cls = next((c for c in mro if c.__name__ in ZERO_PROBED and c.__module__.startswith("torch.nn.")), None)
     if cls is None or defining is None or defining is not cls:
         return None
-    if module.training and float(getattr(module, "dropout", 0.0) or 0.0) > 0.0:
-        return None
     return cls.__name__
+
+
+def draws_randomly(module: torch.nn.Module) -> bool:
+    """A ZERO_PROBED module's forward draws random numbers (dropout while training)."""
+    return module.training and float(getattr(module, "dropout", 0.0) or 0.0) > 0.0
+
+
+RandomState = tuple[torch.device, torch.Tensor, torch.Tensor | None]
+
+
+def random_state(device: torch.device) -> RandomState | None:
+    """The states of the default generators a forward on `device` draws from (the CPU's and, on a GPU, the
+    device's own): host tensors, no device synchronisation. None for another kind of device."""
+    if device.type == "cpu":
+        return device, torch.get_rng_state(), None
+    if device.type == "cuda":
+        return device, torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    return None
+
+
+def set_random_state(state: RandomState) -> None:
+    device, cpu, own = state
+    torch.set_rng_state(cpu)
+    if own is not None:
+        torch.cuda.set_rng_state(own, device)
 
 
 def holds_parameter_children(module: torch.nn.Module) -> bool:
@@ -203,6 +233,8 @@ class Sums:
     summing: list[torch.Tensor] = field(default_factory=list)
     # 2: central differences; 1: forward differences against the forward's own output (`one_sided`)
     sides: set[int] = field(default_factory=set)
+    # per call (and output): the micro-batch it ran in (`LocalProbe.current`), which a zero gradient is judged by
+    batches: list[int | None] = field(default_factory=list)
     # a declared class's call (`probed_kind`) or a ZERO_PROBED one: <dy, y(w) - y> of a rerun with nothing
     # moved against the forward's own output y, its variance and rounding bound, per call: beyond its error bar
     # the rerun does not compute what the forward did (randomness or state the class was vouched not to have)
@@ -246,6 +278,12 @@ class _Call:
     # a class of the caller's (`probed_kind`) or a ZERO_PROBED one: the forward's output and its version,
     # which a rerun with nothing moved must reproduce
     original: tuple[torch.Tensor, int] | None = None
+    # the random state its forward started from (a ZERO_PROBED call with dropout): each rerun starts from it
+    random: RandomState | None = None
+    # a ZERO_PROBED call's other outputs that need a gradient (MultiheadAttention's attention weights), by
+    # position: the forward's value and version of each, which the reruns at its gradient must reproduce
+    others: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    fired: int = 0  # outputs whose gradient came (each measured at its own)
 
 
 # what a weight is asked without computing with it: not a use
@@ -352,6 +390,12 @@ class LocalProbe:
         # entries whose module's pre-forward hooks were called by hand (a fused implementation computes with
         # them in kernels the watch may not see): their module's own call, if any, is not all of their use
         self.bypassed: set[int] = set()
+        # entries with a gradient that a ZERO_PROBED module's call reads: by the module's class (not judged here)
+        self.nonaffine: dict[int, str] = {}
+        # the modules watched as ZERO_PROBED (`watching`), by id: their paths in the model
+        self.zero_only: dict[int, str] = {}
+        # entries measured on a ZERO_PROBED module's output, not their own module's (out_proj's weight): its path
+        self.measured_on: dict[int, str] = {}
         self.sums: dict[tuple[int, ...], Sums] = {}
         self.rerunning = False
         self.active: dict[int, int] = {}  # id(weight) -> probed calls on the stack accounting for it
@@ -359,9 +403,12 @@ class LocalProbe:
         self.current: int | None = None  # the micro-batch running now (set by the caller)
         self.errors: list[str] = []  # the first few reruns that raised (their weights are not judged here)
         self._pending: dict[int, _Call] = {}  # by id: calls whose output's gradient has not come yet
-        # calls whose forward is running: (module, argument leaves, accounted, owned), innermost last
+        # calls whose forward is running: (module, argument leaves, accounted, owned, the random state it
+        # started from where a rerun must draw the same numbers), innermost last
         self._calls: list[
-            tuple[torch.nn.Module, list[object], list[Any], list[tuple[str, torch.Tensor]]]
+            tuple[
+                torch.nn.Module, list[object], list[Any], list[tuple[str, torch.Tensor]], RandomState | None
+            ]
         ] = []
 
     # -- the forward ---------------------------------------------------------------------------------------
@@ -402,14 +449,20 @@ class LocalProbe:
             return
         # what the call computes with, as its forward starts: a sharding wrapper's own hooks (FSDP2's, which
         # run first) register the unsharded parameters before it and may put the shards back after it
+        # (a ZERO_PROBED module reads its children's parameters itself: MultiheadAttention's out_proj is never
+        # called, its weight and bias are used inside this call)
+        named = module.named_parameters() if id(module) in self.zero_only else module._parameters.items()
         owned: list[tuple[str, torch.Tensor]] = [
-            (name, p) for name, p in module._parameters.items() if p is not None and id(p) in self.weights
+            (name, p) for name, p in named if p is not None and id(p) in self.weights
         ]
         flat = leaves((args, kwargs))
         accounted = self._accounted(owned, flat)
         for _, t in accounted:
             self.active[id(t)] = self.active.get(id(t), 0) + 1
-        self._calls.append((module, flat, accounted, owned))
+        drawn = None
+        if id(module) in self.zero_only and draws_randomly(module) and owned:
+            drawn = random_state(owned[0][1].device)
+        self._calls.append((module, flat, accounted, owned, drawn))
 
     def _post(
         self,
@@ -424,7 +477,7 @@ class LocalProbe:
         # open: abandoned when the watch ends)
         if not self._calls or self._calls[-1][0] is not module:
             return
-        _, flat, accounted, owned = self._calls.pop()
+        _, flat, accounted, owned, drawn = self._calls.pop()
         for _, t in accounted:
             self.active[id(t)] = max(self.active.get(id(t), 1) - 1, 0)
         planned = [
@@ -432,8 +485,11 @@ class LocalProbe:
         ]
         if not planned:
             return
-        kind = _probed(module, self.declared)
-        if kind is None:  # a ZERO_PROBED module (`watching`): only its zero gradients' random moves
+        zero_only = id(module) in self.zero_only
+        if zero_only:  # not affine in its weights: only its zero gradients' random moves are measured
+            for i, _ in planned:
+                if self.plan[i].direction is not None:
+                    self.nonaffine.setdefault(i, type(module).__name__)
             planned = [(i, t) for i, t in planned if self.plan[i].direction is None]
             if not planned:
                 return
@@ -446,7 +502,18 @@ class LocalProbe:
         for o in outputs:  # a weight handed back to the caller is used outside (a skipped bias)
             if isinstance(o, torch.Tensor) and id(o) in self.weights:
                 self.escaped.setdefault(self.weights[id(o)], f"returned by {type(module).__name__}")
-        if len(outs) != 1 or getattr(module, "fp8", False) is True or not torch.is_grad_enabled():
+        # MultiheadAttention also returns its attention weights by default (need_weights=True), which need a
+        # gradient too: each output that gets one is measured at its gradient, <dy_k, y_k(+h) - y_k(-h)>, and the
+        # judge sums over them as over calls (the derivative through the call is the sum over its outputs); one
+        # that gets none adds nothing. The call is kept until the run ends (no output's gradient says the others
+        # will not come)
+        siblings = outs[1:] if zero_only else []
+        if (
+            len(outs) != 1 + len(siblings)
+            or (zero_only and drawn is None and draws_randomly(module))  # a generator not known here
+            or getattr(module, "fp8", False) is True
+            or not torch.is_grad_enabled()
+        ):
             self.failed.update(i for i, _ in planned)
             return
         inputs = [a for a in flat if isinstance(a, torch.Tensor)]
@@ -468,7 +535,8 @@ class LocalProbe:
                 self.unheld.update(alone)
         # a declared class, or a ZERO_PROBED one (not affine: no exact finite difference to lean on), is held
         # to its forward's output
-        checked = kind is None or kind[1]
+        kind = _probed(module, self.declared) if self.declared else None
+        checked = zero_only or (kind is not None and kind[1])
         call = _Call(
             module=module,
             args=args,
@@ -481,31 +549,41 @@ class LocalProbe:
             held=held,
             held_bytes=held_bytes,
             original=(out, out._version) if checked else None,
+            random=drawn,
+            others={
+                k: (cast(torch.Tensor, outputs[k]), cast(torch.Tensor, outputs[k])._version) for k in siblings
+            },
         )
         self._pending[id(call)] = call
         out.register_hook(self._on_grad(call))
+        for k in siblings:
+            cast(torch.Tensor, outputs[k]).register_hook(self._on_grad(call, k))
 
     def _abandon(self) -> None:
         """Close the calls still open when the watch ends: their pre-forward hook ran but no post-forward hook
         closed them (a fused implementation that calls a submodule's hooks itself, with kwargs, out of order
         or without the post-hook): their weights are not judged here."""
-        for _, _, accounted, _ in self._calls:
+        for _, _, accounted, _, _ in self._calls:
             self.failed.update(i for i, _ in accounted if i in self.plan)
         self._calls = []
 
     # -- the backward --------------------------------------------------------------------------------------
-    def _on_grad(self, call: _Call) -> Callable[[torch.Tensor], None]:
+    def _on_grad(self, call: _Call, position: int | None = None) -> Callable[[torch.Tensor], None]:
+        """The hook on the call's output at `position` (None: its first, `call.position`)."""
+
         def hook(dy: torch.Tensor) -> None:
+            call.fired += 1
             try:
-                self._measure(call, dy)
+                self._measure(call, dy, position)
             except Exception as exc:  # noqa: BLE001 - a module that cannot be rerun is not judged here
                 self.failed.update(i for i, _ in call.accounted)
                 if len(self.errors) < 3:
                     self.errors.append(f"{type(call.module).__name__}: {type(exc).__name__}: {exc}"[:300])
             finally:
-                self._pending.pop(id(call), None)
-                self._release(call)
-                call.args, call.kwargs, call.original = (), {}, None
+                if not call.others:  # (a call with several outputs is kept until the watch ends)
+                    self._pending.pop(id(call), None)
+                    self._release(call)
+                    call.args, call.kwargs, call.original = (), {}, None
 
         return hook
 
@@ -514,21 +592,24 @@ class LocalProbe:
         self.holding -= call.held_bytes
         call.held, call.held_bytes = None, 0
 
-    def _measure(self, call: _Call, dy: torch.Tensor) -> None:
+    def _measure(self, call: _Call, dy: torch.Tensor, position: int | None = None) -> None:
+        """The reruns at the gradient `dy` of the call's output at `position` (None: `call.position`)."""
+        at = call.position if position is None else position
         # its inputs as at the forward, and the parameters it computes with the same objects (a sharding
         # wrapper may have swapped in another tensor since: a rerun would not move what it computes with)
         if any(a._version != v for a, v in call.versions) or any(
-            call.module._parameters.get(name) is not p for name, p in call.owned
+            _parameter(call.module, name) is not p for name, p in call.owned
         ):
             self.failed.update(i for i, _ in call.accounted)
             return
         reproduced: list[torch.Tensor] = []
-        if call.original is not None:
-            out, version = call.original
+        original = call.original if at == call.position else call.others.get(at)
+        if original is not None:
+            out, version = original
             if out._version != version:  # written in place since: nothing to check the rerun against
                 self.failed.update(i for i, _ in call.accounted)
                 return
-            reproduced = list(_compare(self._forwards(call, [], (0.0,))[0], out.detach(), dy))
+            reproduced = list(_compare(self._forwards(call, [], (0.0,), at)[0], out.detach(), dy))
         sets: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for i, t in call.accounted:
             if i in self.escaped:  # its other use is not measured here: it stays where it is
@@ -546,13 +627,16 @@ class LocalProbe:
                 and members[0][0] not in self.unheld
                 else None
             )
-            value, var, summing = self._rerun(call, members, dy, base)
+            value, var, summing = self._rerun(call, members, dy, base, at)
             sums = self.sums.setdefault(key, Sums())
             sums.measured.append(value)
             sums.variance.append(var)
             sums.summing.append(summing)
             sums.sides.add(1 if base is not None else 2)
+            sums.batches.append(self.current)
             sums.reproduced += reproduced
+            if id(call.module) in self.zero_only:
+                self.measured_on.update((i, self.zero_only[id(call.module)]) for i, _ in members)
 
     def _rerun(
         self,
@@ -560,20 +644,25 @@ class LocalProbe:
         members: list[tuple[int, torch.Tensor]],
         dy: torch.Tensor,
         base: torch.Tensor | None = None,
+        position: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """<dy, y(w + h d) - y(w - h d)>, or <dy, y(w + h d) - base> where `base` is the forward's own output;
         the variance of its output rounding; and the bound on the rounding of that sum and of the reported
-        gradient's own reduction over the same terms (`SUM_ROUNDING`)."""
-        outs = self._forwards(call, members, (1.0,) if base is not None else (1.0, -1.0))
+        gradient's own reduction over the same terms (`SUM_ROUNDING`). y: the output at `position`."""
+        outs = self._forwards(call, members, (1.0,) if base is not None else (1.0, -1.0), position)
         plus, minus = outs if base is None else (outs[0], base.detach())
         return _compare(plus, minus, dy)
 
     def _forwards(
-        self, call: _Call, members: list[tuple[int, torch.Tensor]], signs: tuple[float, ...]
+        self,
+        call: _Call,
+        members: list[tuple[int, torch.Tensor]],
+        signs: tuple[float, ...],
+        position: int | None = None,
     ) -> list[torch.Tensor]:
-        """The call's output recomputed with its `members` moved by sign x h along their directions, per sign
-        (no members: as the forward computed it). The weights restored bit for bit (through .data: their
-        version counters, which autograd checks, do not move)."""
+        """The call's output (at `position`; None: `call.position`) recomputed with its `members` moved by
+        sign x h along their directions, per sign (no members: as the forward computed it). The weights restored
+        bit for bit (through .data: their version counters, which autograd checks, do not move)."""
         starts = [t.data.clone() for _, t in members]
         directions = [self.plan[i].along(t) for i, t in members]  # a random one drawn once for both signs
         outs: list[torch.Tensor] = []
@@ -586,6 +675,9 @@ class LocalProbe:
         # (not a buffer that holds a parameter's storage: the moved weights must reach the forward through it)
         originals = dict(call.module._buffers)
         weights = {storage_address(p) for p in call.module._parameters.values() if p is not None} - {None}
+        # a forward that draws (dropout) draws the forward's numbers again from the state it started from; the
+        # state the backward has now is set back after
+        now = random_state(call.random[0]) if call.random is not None else None
         self.rerunning = True
         try:
             for k, b in originals.items():
@@ -595,14 +687,19 @@ class LocalProbe:
                 for sign in signs:
                     for (i, t), start, d in zip(members, starts, directions, strict=True):
                         move_into(t.data, start, d, sign * self.plan[i].h)
+                    if call.random is not None:
+                        set_random_state(call.random)
                     out = call.module.forward(*call.args, **call.kwargs)
                     self.reruns += 1
-                    outs.append(cast(torch.Tensor, leaves(out)[call.position]).detach())
+                    at = call.position if position is None else position
+                    outs.append(cast(torch.Tensor, leaves(out)[at]).detach())
                     del out
         finally:
             for (_, t), start in zip(members, starts, strict=True):
                 t.data.copy_(start)
             call.module._buffers.update(originals)
+            if now is not None:
+                set_random_state(now)
             self.rerunning = False
         return outs
 
@@ -610,9 +707,11 @@ class LocalProbe:
     @contextmanager
     def watching(self) -> Iterator[LocalProbe]:
         handles = []
-        for module in self.model.modules():
-            if probed_kind(module, self.declared) is None and zero_probed(module) is None:
-                continue
+        for path, module in self.model.named_modules():
+            if probed_kind(module, self.declared) is None:
+                if zero_probed(module) is None:
+                    continue
+                self.zero_only[id(module)] = path
             handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))
         swapped: list[tuple[torch.Tensor, type]] = []
@@ -633,14 +732,30 @@ class LocalProbe:
             for h in handles:
                 h.remove()
             for call in self._pending.values():  # an output whose gradient never came: not judged
-                self.failed.update(i for i, _ in call.accounted)
+                if not call.fired:  # (a call with several outputs: one at least must have got a gradient)
+                    self.failed.update(i for i, _ in call.accounted)
                 self._release(call)
+                call.args, call.kwargs, call.original, call.others = (), {}, None, {}
             self._pending = {}
             self._abandon()
             self.active = {}
 
     def complete(self, i: int) -> bool:
-        return i not in self.escaped and i not in self.failed and i not in self.bypassed
+        return (
+            i not in self.escaped
+            and i not in self.failed
+            and i not in self.bypassed
+            and i not in self.nonaffine
+        )
+
+
+def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter a module holds under a (dotted) name now, or None."""
+    *path, leaf = name.split(".")
+    owner: torch.nn.Module | None = module
+    for part in path:
+        owner = owner._modules.get(part) if owner is not None else None
+    return owner._parameters.get(leaf) if owner is not None else None
 
 
 def _compare(

@@ -67,6 +67,8 @@ class LocalFD:
             int, local.LocalVerdict
         ] = {}  # per entry: the module-local verdict that judged it
         self.share: dict[int, float] = {}  # per entry: its share of its screened set's prediction
+        # per entry judged on another module's output than its own (`LocalProbe.measured_on`): that module's path
+        self.measured_on: dict[int, str] = {}
         self.suspects: list[int] = []  # weights of screened sets that deviated (judged alone next)
         # weights of screened sets bounded too loosely (judged again, weight by weight)
         self.unsure: list[int] = []
@@ -277,6 +279,11 @@ class LocalFD:
                 self.not_judged.setdefault("used outside its module's call", set()).add(i)
             elif i in probe.failed:
                 self.not_judged.setdefault("its module could not be rerun", set()).add(i)
+            elif i in probe.nonaffine:
+                reason = (
+                    f"read by {probe.nonaffine[i]}, not affine in it (only zero gradients are judged there)"
+                )
+                self.not_judged.setdefault(reason, set()).add(i)
         parent: dict[int, int] = {}
 
         def find(i: int) -> int:
@@ -314,6 +321,7 @@ class LocalFD:
         self.held_calls += probe.held_calls
         self.unheld_calls += probe.unheld_calls
         self.errors += probe.errors[: max(0, 3 - len(self.errors))]
+        self.measured_on.update(probe.measured_on)
         sets = self._sets(probe)
         if not sets:
             return
@@ -347,7 +355,7 @@ class LocalFD:
                 )
         host = stack_to_host(values)
         self.check.syncs += 1
-        for (members, _), (at, n), (r, m) in zip(sets, starts, reproductions, strict=True):
+        for (members, keys), (at, n), (r, m) in zip(sets, starts, reproductions, strict=True):
             if not all(local.reproduces(*host[k : k + 3]) for k in range(r, r + m, 3)):
                 self.not_judged.setdefault(IRREPRODUCIBLE, set()).update(members)
                 continue
@@ -355,7 +363,14 @@ class LocalFD:
             p = {i: host[preds[i]] for i in members if i in preds}
             zero = all(probe.plan[i].direction is None for i in members)
             floor = self.floor(members)
-            verdict = local.judge(members, sum(p.values()), measured, variance, floor, zero, summing)
+            if zero:
+                # the reported gradient is zero in every micro-batch: so must each micro-batch's derivative be
+                # (its calls and outputs summed), judged one by one (summed over the micro-batches, those of a
+                # nonlinear module's large random move can cancel)
+                labels = [b for key in keys for b in probe.sums[key].batches]
+                verdict = self._zero_verdict(members, host, at, n, labels, floor)
+            else:
+                verdict = local.judge(members, sum(p.values()), measured, variance, floor, zero, summing)
             if verdict.verdict == "deviates":
                 if screening:
                     self.suspects.extend(members)
@@ -384,13 +399,32 @@ class LocalFD:
                     self.verdicts[i] = verdict
                     self.share[i] = shares[i]
 
+    @staticmethod
+    def _zero_verdict(
+        members: tuple[int, ...], host: list[float], at: int, n: int, labels: list[int | None], floor: float
+    ) -> local.LocalVerdict:
+        """A zero gradient's verdict from its reruns (`n` calls from `at` in `host`: measured, variances and
+        rounding bounds), per micro-batch of `labels`: `moves` where one micro-batch's output moved, else
+        `unknown` where one could not be read, else `unused`."""
+        groups: dict[int | None, list[int]] = {}
+        for k, b in enumerate(labels):
+            groups.setdefault(b, []).append(k)
+        verdicts = []
+        for ks in groups.values():
+            measured, variance, summing = (math.fsum(host[at + j * n + k] for k in ks) for j in range(3))
+            verdicts.append(local.judge(members, 0.0, measured, variance, floor, True, summing))
+        return next(
+            (v for v in verdicts if v.verdict == "moves"),
+            next((v for v in verdicts if v.verdict != "unused"), verdicts[0]),
+        )
+
     def apply(self) -> None:
         """The module-local verdicts over the loss-level ones: a failure is a failure; an ok bounds what the
         parameter could hide more tightly than a shared loss probe (fd_resolution: the tighter of the two)."""
         kind = self.check.adapter.kind
         for i, v in self.verdicts.items():
             r = self.check.results[i]
-            where = f"module {self.check.entries[i].module or '(root)'}"
+            where = f"module {self.measured_on.get(i, self.check.entries[i].module) or '(root)'}"
             if v.verdict == "unused":
                 if r.fd_probe is None or r.unused or r.inconclusive:
                     r.fd_probe, r.unused, r.inconclusive = where, True, False
