@@ -54,7 +54,7 @@ from typing import Any, cast
 
 import torch
 
-from maingrad.hooks.preflight.state import storage_address
+from maingrad.hooks.preflight.state import RngState, storage_address
 
 # class names (on the module's class or a base) of modules whose output is affine in their parameters taken
 # together, or a product of two such parts (a layer norm's weight times a linear weight), from these packages
@@ -158,24 +158,8 @@ def draws_randomly(module: torch.nn.Module) -> bool:
     return module.training and float(getattr(module, "dropout", 0.0) or 0.0) > 0.0
 
 
-RandomState = tuple[torch.device, torch.Tensor, torch.Tensor | None]
-
-
-def random_state(device: torch.device) -> RandomState | None:
-    """The states of the default generators a forward on `device` draws from (the CPU's and, on a GPU, the
-    device's own): host tensors, no device synchronisation. None for another kind of device."""
-    if device.type == "cpu":
-        return device, torch.get_rng_state(), None
-    if device.type == "cuda":
-        return device, torch.get_rng_state(), torch.cuda.get_rng_state(device)
-    return None
-
-
-def set_random_state(state: RandomState) -> None:
-    device, cpu, own = state
-    torch.set_rng_state(cpu)
-    if own is not None:
-        torch.cuda.set_rng_state(own, device)
+# the devices whose generators `RngState` takes (host tensors, no device synchronisation)
+SNAPSHOT_DEVICES = ("cpu", "cuda")
 
 
 def holds_parameter_children(module: torch.nn.Module) -> bool:
@@ -279,7 +263,7 @@ class _Call:
     # which a rerun with nothing moved must reproduce
     original: tuple[torch.Tensor, int] | None = None
     # the random state its forward started from (a ZERO_PROBED call with dropout): each rerun starts from it
-    random: RandomState | None = None
+    random: RngState | None = None
     # a ZERO_PROBED call's other outputs that need a gradient (MultiheadAttention's attention weights), by
     # position: the forward's value and version of each, which the reruns at its gradient must reproduce
     others: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
@@ -406,9 +390,7 @@ class LocalProbe:
         # calls whose forward is running: (module, argument leaves, accounted, owned, the random state it
         # started from where a rerun must draw the same numbers), innermost last
         self._calls: list[
-            tuple[
-                torch.nn.Module, list[object], list[Any], list[tuple[str, torch.Tensor]], RandomState | None
-            ]
+            tuple[torch.nn.Module, list[object], list[Any], list[tuple[str, torch.Tensor]], RngState | None]
         ] = []
 
     # -- the forward ---------------------------------------------------------------------------------------
@@ -459,9 +441,16 @@ class LocalProbe:
         accounted = self._accounted(owned, flat)
         for _, t in accounted:
             self.active[id(t)] = self.active.get(id(t), 0) + 1
+        # the random state a rerun must start from, taken only for a call with zero gradients to measure
         drawn = None
-        if id(module) in self.zero_only and draws_randomly(module) and owned:
-            drawn = random_state(owned[0][1].device)
+        if (
+            id(module) in self.zero_only
+            and owned
+            and owned[0][1].device.type in SNAPSHOT_DEVICES
+            and draws_randomly(module)
+            and any(i in self.plan and self.plan[i].direction is None for i, _ in accounted)
+        ):
+            drawn = RngState()
         self._calls.append((module, flat, accounted, owned, drawn))
 
     def _post(
@@ -677,7 +666,7 @@ class LocalProbe:
         weights = {storage_address(p) for p in call.module._parameters.values() if p is not None} - {None}
         # a forward that draws (dropout) draws the forward's numbers again from the state it started from; the
         # state the backward has now is set back after
-        now = random_state(call.random[0]) if call.random is not None else None
+        now = RngState() if call.random is not None else None
         self.rerunning = True
         try:
             for k, b in originals.items():
@@ -688,7 +677,7 @@ class LocalProbe:
                     for (i, t), start, d in zip(members, starts, directions, strict=True):
                         move_into(t.data, start, d, sign * self.plan[i].h)
                     if call.random is not None:
-                        set_random_state(call.random)
+                        call.random.apply()
                     out = call.module.forward(*call.args, **call.kwargs)
                     self.reruns += 1
                     at = call.position if position is None else position
@@ -699,7 +688,7 @@ class LocalProbe:
                 t.data.copy_(start)
             call.module._buffers.update(originals)
             if now is not None:
-                set_random_state(now)
+                now.apply()
             self.rerunning = False
         return outs
 
