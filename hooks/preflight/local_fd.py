@@ -359,7 +359,6 @@ class LocalFD:
             if not all(local.reproduces(*host[k : k + 3]) for k in range(r, r + m, 3)):
                 self.not_judged.setdefault(IRREPRODUCIBLE, set()).update(members)
                 continue
-            measured, variance, summing = (math.fsum(host[at + k * n : at + (k + 1) * n]) for k in range(3))
             p = {i: host[preds[i]] for i in members if i in preds}
             zero = all(probe.plan[i].direction is None for i in members)
             floor = self.floor(members)
@@ -369,8 +368,11 @@ class LocalFD:
                 # nonlinear module's large random move can cancel)
                 labels = [b for key in keys for b in probe.sums[key].batches]
                 verdict = self._zero_verdict(members, host, at, n, labels, floor)
-            else:
-                verdict = local.judge(members, sum(p.values()), measured, variance, floor, zero, summing)
+            else:  # summed over every call
+                measured, variance, summing = (
+                    math.fsum(host[at + k * n : at + (k + 1) * n]) for k in range(3)
+                )
+                verdict = local.judge(members, sum(p.values()), measured, variance, floor, False, summing)
             if verdict.verdict == "deviates":
                 if screening:
                     self.suspects.extend(members)
