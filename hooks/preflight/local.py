@@ -30,12 +30,15 @@ which the loss-level estimate sees.
 
 Two uses (`run.py`): a screening of the probed modules holding a weight with a gradient (where the loss-level
 probe ran first: one it bounds loosely), its weights moved together, each along the first micro-batch's
-reported gradient at a step that gives it a comparable share of the module's change (a call whose one moved
-weight is alone is rerun once, against the forward's own output), on the second micro-batch's own backward;
-and, during the sequence, each weight on its own: those of a set whose screening deviates and those it bounds
-loosely, along the sum of the singles, in the last single's micro-batch against that single's reported
-gradient; and weights whose reported gradient is zero on every micro-batch, along a random direction in every
-micro-batch (the module's output must not move, else the gradient was lost).
+reported gradient at a step that gives it a comparable share of the module's change, on the second
+micro-batch's own backward; and, during the sequence, each weight on its own: those of a set whose screening
+deviates and those it bounds loosely, along the sum of the singles, in the last single's micro-batch against
+that single's reported gradient; and weights whose reported gradient is zero on every micro-batch, along a
+random direction in every micro-batch (the module's output must not move, else the gradient was lost).
+A call whose moved sets each change its output affinely (a weight alone, a linear's weight and bias, a
+LayerNormLinear's norm moved on even input columns and its linear weight on odd ones: no product of two moves)
+is rerun once per set, against the forward's own output, where the bound on held outputs allows; else twice
+(central differences, exact up to a product of two moves).
 
 Zero gradients only, in torch's MultiheadAttention (`ZERO_PROBED`): not affine in its weights, so a nonzero
 gradient is never compared there, but whether its output moves at all needs no linearity. Its out_proj child is
@@ -195,14 +198,63 @@ class Move:
     label: str = "set"
     # moved only in the backward of this micro-batch (an index into the run's batches); None: in every one
     only: int | None = None
+    # (width, parity): moved only where the index along the last dimension (the flat index modulo width) has
+    # this parity (`column_moves`); None: everywhere
+    columns: tuple[int, int] | None = None
 
     def along(self, t: torch.Tensor) -> torch.Tensor:
         if self.direction is not None:
-            return self.direction
-        gen = torch.Generator(device=t.device)
-        gen.manual_seed(self.seed)
-        r = torch.randn(t.numel(), generator=gen, device=t.device, dtype=torch.float32)
-        return r / max(math.sqrt(t.numel()), 1.0)
+            d = self.direction
+        else:
+            gen = torch.Generator(device=t.device)
+            gen.manual_seed(self.seed)
+            r = torch.randn(t.numel(), generator=gen, device=t.device, dtype=torch.float32)
+            d = r / max(math.sqrt(t.numel()), 1.0)
+        if self.columns is None:
+            return d
+        width, parity = self.columns
+        masked = d.reshape(-1).clone()
+        masked.view(-1, width)[:, 1 - parity :: 2].zero_()
+        return masked
+
+
+# classes (on the module's class or a base, as in PROBED) whose output multiplies two of their parameters: a
+# layer norm's weight or bias times the linear weight after it. Moved together, their change has a product
+# term; with the norm's moves on even input columns and the linear weight's on odd ones (`column_moves`) no
+# product has two moved factors, and the output is affine in the moves taken together
+PRODUCTS = frozenset({"LayerNormLinear"})
+NORM_PREFIX = "layer_norm_"  # a PRODUCTS class's norm parameters (Transformer Engine's names)
+COLUMN_PARITY = {"norm": 0, "gemm": 1}
+
+
+def product_role(name: str, t: torch.Tensor) -> str:
+    """A PRODUCTS module's parameter, by its attribute name and shape: "norm" (the layer norm's weight or bias,
+    one value per input column), "gemm" (a linear weight, its last dimension the input columns) or "bias"
+    (added to the output: a factor of nothing)."""
+    if name.startswith(NORM_PREFIX):
+        return "norm"
+    return "gemm" if t.dim() >= 2 else "bias"
+
+
+def column_moves(roles: dict[int, tuple[str, torch.Tensor]]) -> dict[int, tuple[int, int]]:
+    """For the parameters of one PRODUCTS call moved together (entry index -> (role, tensor)): the `Move.columns`
+    of each norm and linear weight, so that no input column moves in both; empty where nothing multiplies (no
+    norm or no linear weight moves) or the shapes do not line up (then the set is measured with central
+    differences, which are exact for a product of two moves)."""
+    norm = {i: t for i, (role, t) in roles.items() if role == "norm"}
+    gemm = {i: t for i, (role, t) in roles.items() if role == "gemm"}
+    if not norm or not gemm:
+        return {}
+    widths = {t.shape[-1] for t in gemm.values()} | {t.numel() for t in norm.values()}
+    if len(widths) != 1 or any(t.dim() != 1 for t in norm.values()):
+        return {}
+    width = widths.pop()
+    if width < 2:
+        return {}
+    return {
+        **{i: (width, COLUMN_PARITY["norm"]) for i in norm},
+        **{i: (width, COLUMN_PARITY["gemm"]) for i in gemm},
+    }
 
 
 @dataclass
@@ -259,6 +311,8 @@ class _Call:
     # what holding it counts against the bound (`LocalProbe.hold_bytes`), taken at the forward: the same bytes
     # are given back at its release
     held_bytes: int = 0
+    saves: int = 0  # the reruns holding its output saves (its sets moved together)
+    alone: list[int] = field(default_factory=list)  # its measured weights (not used outside the call)
     # a class of the caller's (`probed_kind`) or a ZERO_PROBED one: the forward's output and its version,
     # which a rerun with nothing moved must reproduce
     original: tuple[torch.Tensor, int] | None = None
@@ -346,14 +400,17 @@ class LocalProbe:
         one_sided: bool = False,
         declared: tuple[type, ...] = (),
         hold_bytes: int | None = None,
+        one_sided_unpinned: bool = True,
     ) -> None:
         self.model = model
         self.declared = declared  # the caller's own probed classes (`probed_kind`)
-        # a weight moved alone is measured against the output its call's forward computed (kept until its
-        # gradient comes, while nothing writes it in place): one rerun instead of two. The module is affine
-        # in each parameter alone, so y(w + h d) - y(w) is exact up to rounding; not for a set moved together
-        # (LayerNorm weight and linear weight: a product of two moves)
+        # a set of weights whose moves change the call's output affinely (`_affine`: a weight alone, a linear's
+        # weight and bias, a LayerNormLinear's moves on complementary columns) is measured against the output
+        # its call's forward computed (kept until its gradient comes, while nothing writes it in place): one
+        # rerun per set instead of two, and y(w + h d) - y(w) is exact up to rounding
         self.one_sided = one_sided
+        # (`_affine`) off where the run has several micro-batches and a weight may move in each of them
+        self.one_sided_unpinned = one_sided_unpinned
         # the bytes of forward outputs held at once for that, at most (None: no bound). A held output lives
         # from its call's forward to its gradient, where training would often have freed it: on a 541M GPT
         # those of 16 linears grew the call's peak with the micro-batch's tokens (0.57x the gradients' bytes
@@ -366,6 +423,7 @@ class LocalProbe:
         # weights with a call the bound left central: all their calls are measured so (one kind of difference
         # per weight; the judge does not mix them)
         self.unheld: set[int] = set()
+        self._holders: list[_Call] = []  # the calls whose output may be held now (`_make_room`)
         self.params = params  # entry index -> the module's parameter
         self.weights = {id(t): i for i, t in params.items()}
         self.plan = plan
@@ -513,9 +571,10 @@ class LocalProbe:
             autocast = (device, True, torch.get_autocast_dtype(device))
         alone = [i for i, _ in planned if i not in self.escaped]
         held, held_bytes = None, 0
-        if self.one_sided and len(alone) == 1:
+        saves = len({self.plan[i].label or f"alone {i}" for i in alone})  # reruns a held output saves
+        if self.one_sided and alone and not zero_only and self._affine(module, alone, owned):
             size = _held_bytes(out)
-            if self.hold_bytes is None or self.holding + size <= self.hold_bytes:
+            if self._make_room(size, saves):
                 held, held_bytes = (out, out._version), size
                 self.holding += size
                 self.held_calls += 1
@@ -537,6 +596,8 @@ class LocalProbe:
             autocast=autocast,
             held=held,
             held_bytes=held_bytes,
+            saves=saves,
+            alone=alone,
             original=(out, out._version) if checked else None,
             random=drawn,
             others={
@@ -544,9 +605,77 @@ class LocalProbe:
             },
         )
         self._pending[id(call)] = call
+        if held is not None:
+            self._holders.append(call)
         out.register_hook(self._on_grad(call))
         for k in siblings:
             cast(torch.Tensor, outputs[k]).register_hook(self._on_grad(call, k))
+
+    def _make_room(self, size: int, saves: int) -> bool:
+        """Whether an output of `size` bytes whose hold saves `saves` reruns is held: where it does not fit in
+        `hold_bytes`, outputs held for fewer saved reruns per byte (a LayerNormLinear's wide output, against a
+        projection's narrow one) are dropped for it, largest first, if that makes room (their calls then
+        measured with central differences, as every call of their weights). Nothing is measured before the
+        forward ends, so a dropped call has not been measured one-sided yet."""
+        if self.hold_bytes is None or self.holding + size <= self.hold_bytes:
+            return True
+        self._holders = [c for c in self._holders if c.held is not None]
+        density = size / saves
+        worse = sorted(
+            (c for c in self._holders if c.held_bytes / max(c.saves, 1) > density),
+            key=lambda c: c.held_bytes / max(c.saves, 1),
+            reverse=True,
+        )
+        freed, dropped = 0, []
+        for c in worse:
+            if self.holding - freed + size <= self.hold_bytes:
+                break
+            dropped.append(c)
+            freed += c.held_bytes
+        if self.holding - freed + size > self.hold_bytes:
+            return False
+        for c in dropped:
+            self._release(c)
+            self.held_calls -= 1
+            self.unheld_calls += 1
+            self.unheld.update(c.alone)
+        return True
+
+    def _affine(
+        self, module: torch.nn.Module, alone: list[int], owned: list[tuple[str, torch.Tensor]]
+    ) -> bool:
+        """Each set of the call's weights that moves together (one label; an empty label: alone) changes its
+        output affinely, so a forward difference against the forward's own output is exact: a weight alone, or
+        a known class's weights (not a declared one: vouched linear in each, not in all) that multiply nothing
+        moved with them (`PRODUCTS`: the norm's and the linear weight's moves on complementary columns). A
+        weight moved along a direction in every micro-batch of a run of several (`one_sided_unpinned` off) is
+        not: the hold bound could leave a later call central after an earlier one was measured one-sided."""
+        if not self.one_sided_unpinned and any(
+            self.plan[i].direction is not None and self.plan[i].only is None for i in alone
+        ):
+            return False
+        sets: dict[str, list[int]] = {}
+        for i in alone:
+            sets.setdefault(self.plan[i].label or f"alone {i}", []).append(i)
+        if all(len(members) == 1 for members in sets.values()):
+            return True
+        kind = _probed(module, self.declared)
+        if kind is None or kind[1]:
+            return False
+        if kind[0] not in PRODUCTS:
+            return True
+        names = {id(t): name for name, t in owned}
+        tensors = dict(zip((self.weights[id(t)] for _, t in owned), (t for _, t in owned), strict=True))
+        for members in sets.values():
+            if any(i not in tensors for i in members):
+                return False
+            roles = {i: (product_role(names[id(tensors[i])], tensors[i]), tensors[i]) for i in members}
+            columns = column_moves(roles)
+            if any(roles[i][0] != "bias" and self.plan[i].columns != columns.get(i) for i in members):
+                return False
+            if not columns and len({role for role, _ in roles.values()} - {"bias"}) > 1:
+                return False
+        return True
 
     def _abandon(self) -> None:
         """Close the calls still open when the watch ends: their pre-forward hook ran but no post-forward hook
@@ -572,7 +701,7 @@ class LocalProbe:
                 if not call.others:  # (a call with several outputs is kept until the watch ends)
                     self._pending.pop(id(call), None)
                     self._release(call)
-                    call.args, call.kwargs, call.original = (), {}, None
+                    call.args, call.kwargs, call.original, call.versions = (), {}, None, []
 
         return hook
 
@@ -611,9 +740,8 @@ class LocalProbe:
             base = (
                 held[0]
                 if held is not None
-                and len(members) == 1
                 and held[0]._version == held[1]
-                and members[0][0] not in self.unheld
+                and not any(i in self.unheld for i, _ in members)
                 else None
             )
             value, var, summing = self._rerun(call, members, dy, base, at)
@@ -724,8 +852,11 @@ class LocalProbe:
                 if not call.fired:  # (a call with several outputs: one at least must have got a gradient)
                     self.failed.update(i for i, _ in call.accounted)
                 self._release(call)
-                call.args, call.kwargs, call.original, call.others = (), {}, None, {}
+                call.args, call.kwargs, call.original, call.others, call.versions = (), {}, None, {}, []
             self._pending = {}
+            # (a call holds tensors whose backward hooks hold this probe: a cycle through autograd's C++ nodes,
+            # which the garbage collector does not see; its model would outlive the call)
+            self._holders = []
             self._abandon()
             self.active = {}
 

@@ -38,10 +38,11 @@ IRREPRODUCIBLE = (
     "its module's rerun does not reproduce its forward (randomness or state in a module_fd_classes class)"
 )
 BOUND_ENOUGH = 0.25  # a weight the loss-level probe bounds within x1.25 is not screened on its module
-# the screening holds forward outputs for its one-sided reruns up to this share of the gradient copy's bytes
-# (`local.LocalProbe.hold_bytes`): the copy is most of a call's memory above a step's, and the held outputs
-# grow with the micro-batch's tokens where the copy does not
-HOLD_SHARE = 0.25
+# the screening and the refinement hold forward outputs for their one-sided reruns up to this share of the
+# gradient copy's bytes (`local.LocalProbe.hold_bytes`): the copy is most of a call's memory above a step's
+# (half the gradients' bytes for bf16 weights with fp32 gradients: at most 0.7x with the held outputs), and
+# the held outputs grow with the micro-batch's tokens where the copy does not
+HOLD_SHARE = 0.4
 
 
 class LocalFD:
@@ -75,7 +76,7 @@ class LocalFD:
         self.deferred: list[int] = []  # zero-gradient weights left to the sequence's module reruns
         # the weights the sequence's reruns judge alone (set after the last single) and their predictions
         self.refine_plan: dict[int, local.Move] = {}
-        self.refine_predicted: dict[int, torch.Tensor] = {}
+        self.refine_predicted: dict[tuple[int, int], torch.Tensor] = {}  # by (entry, sides)
         self.reruns = 0
         # screened calls whose forward output was held for a one-sided rerun, and those the hold bound left central
         self.held_calls = 0
@@ -187,10 +188,12 @@ class LocalFD:
         gnorm = dict(enumerate(self.check.loss_fd.gnorms))
         for members in by_owner.values():
             eps = self._balanced(members, gnorm)
+            columns = self._columns(members)
             for i in members:
                 plan[i] = local.Move(
                     h=eps[i] * self.check.loss_fd.sizes[i] / self.check.loss_fd.gnorms[i],
                     direction=self.check.copy[i],
+                    columns=columns.get(i),
                 )
         if not plan:
             return None
@@ -226,7 +229,8 @@ class LocalFD:
             f = flats[i]
             if f is not None and single.get(i, 0.0) > 0 and math.isfinite(single[i]):
                 move = local.Move(h=h, direction=self.check.copy[i], label="", only=k)
-                self.refine_predicted[i] = local.prediction(self.start(i), move, f)
+                for sides in (1, 2):  # (the hold bound decides at the forward which one is measured)
+                    self.refine_predicted[(i, sides)] = local.prediction(self.start(i), move, f, sides)
             else:
                 move = local.Move(h=h, direction=self.check.copy[i], label="")
             self.refine_plan[i] = move
@@ -257,7 +261,28 @@ class LocalFD:
                 )
         if not plan:
             return None
-        return local.LocalProbe(self.check.model, self.params, plan, declared=self.declared)
+        return local.LocalProbe(
+            self.check.model,
+            self.params,
+            plan,
+            one_sided=True,
+            declared=self.declared,
+            hold_bytes=int(HOLD_SHARE * self.check.copy_bytes),
+            one_sided_unpinned=False,
+        )
+
+    def _columns(self, members: list[int]) -> dict[int, tuple[int, int]]:
+        """The columns each weight of one module moves on (`local.column_moves`), where the module's output
+        multiplies two of them (`local.PRODUCTS`): so that the set is measured against its forward's own output
+        (one rerun instead of two)."""
+        owner = self.check.owners.get(id(self.check.entries[members[0]].raw_param))
+        if local.probed_kind(owner, self.declared) not in local.PRODUCTS or len(members) < 2:
+            return {}
+        roles = {
+            i: (local.product_role(self.check.entries[i].leaf, self.params[i]), self.params[i])
+            for i in members
+        }
+        return local.column_moves(roles)
 
     def _balanced(self, members: list[int], gnorm: dict[int, float]) -> dict[int, float]:
         """Relative steps for weights moved together. The change a weight predicts at relative step eps is about
@@ -300,8 +325,10 @@ class LocalFD:
         sets = []
         for keys in components.values():
             members = tuple(sorted({i for key in keys for i in key}))
-            if len({n for key in keys for n in probe.sums[key].sides}) > 1:
-                # some calls against the forward's own output, others central: no one move to predict with
+            mixed = len({n for key in keys for n in probe.sums[key].sides}) > 1
+            if mixed and any(probe.plan[i].direction is not None for i in members):
+                # some calls against the forward's own output, others central: no one move to predict with (a
+                # zero gradient's prediction is zero either way)
                 self.not_judged.setdefault("its module could not be rerun", set()).update(members)
                 continue
             if all(probe.complete(i) for i in members):
@@ -313,7 +340,7 @@ class LocalFD:
         probe: local.LocalProbe,
         reported: list[torch.Tensor | None],
         screening: bool,
-        predicted: dict[int, torch.Tensor] | None = None,
+        predicted: dict[tuple[int, int], torch.Tensor] | None = None,
     ) -> None:
         """Compare, per set of weights moved together, the reruns' <dy, y+ - y-> with <reported gradient, the
         move> (`predicted` where it was computed earlier, else from `reported`); one host transfer."""
@@ -349,7 +376,7 @@ class LocalFD:
                 if g is None or move.direction is None:
                     continue
                 preds[i] = len(values)
-                early = predicted.get(i) if predicted else None
+                early = predicted.get((i, min(sides))) if predicted else None
                 values.append(
                     early if early is not None else local.prediction(self.start(i), move, g, sides=min(sides))
                 )

@@ -47,7 +47,7 @@ case "$what" in
     grep -h '^ZOO' "$OUT/$tag-zoo.log" | cut -c1-160
     ;;
   compare)
-    # the 541M GPT's cost with this checkout (new) and another install (old), ROUNDS rounds per process,
+    # the 541M GPT's cost (CASES: other cases) with this checkout (new) and another install (old), ROUNDS rounds per process,
     # PAIRS times alternately on the same machine (ORDER="old new" runs the other install first in each pair);
     # then where this checkout's call waits (preflight_trace.py; TRACE=0 skips it)
     other=$1
@@ -55,7 +55,7 @@ case "$what" in
       for v in ${ORDER:-new old}; do
         m=$MG; [ "$v" = old ] && m=$other
         PYTHONPATH=$m:/tmp/site:$mc:$(pwd)/tests/gpu/stub timeout ${COST_TIMEOUT:-100} python3 tests/gpu/preflight_zoo.py \
-          --cost "${ROUNDS:-6}" --json "$OUT/$tag-cost-$v-$r.json" gpt541m-untied-ddp-bf16 bug-541m-overwrite \
+          --cost "${ROUNDS:-6}" --json "$OUT/$tag-cost-$v-$r.json" ${CASES:-gpt541m-untied-ddp-bf16 bug-541m-overwrite} \
           > "$OUT/$tag-cost-$v-$r.log" 2>&1
         echo "$v $r rc=$?"
         grep -h '^COST' "$OUT/$tag-cost-$v-$r.log" | cut -c1-330
