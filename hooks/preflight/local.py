@@ -615,8 +615,9 @@ class LocalProbe:
         """Whether an output of `size` bytes whose hold saves `saves` reruns is held: where it does not fit in
         `hold_bytes`, outputs held for fewer saved reruns per byte (a LayerNormLinear's wide output, against a
         projection's narrow one) are dropped for it, largest first, if that makes room (their calls then
-        measured with central differences, as every call of their weights). Nothing is measured before the
-        forward ends, so a dropped call has not been measured one-sided yet."""
+        measured with central differences, as every call of their weights). A call is measured when its
+        output's gradient comes, after its forward, and then lets its output go: one still held has not been
+        measured yet."""
         if self.hold_bytes is None or self.holding + size <= self.hold_bytes:
             return True
         self._holders = [c for c in self._holders if c.held is not None]

@@ -197,14 +197,7 @@ class LocalFD:
                 )
         if not plan:
             return None
-        return local.LocalProbe(
-            self.check.model,
-            self.params,
-            plan,
-            one_sided=True,
-            declared=self.declared,
-            hold_bytes=int(HOLD_SHARE * self.check.copy_bytes),
-        )
+        return self._probe(plan, one_sided_unpinned=True)
 
     def plan_refinement(self, flats: list[torch.Tensor | None], k: int) -> None:
         """After the last single (the copy now the sum of the singles, S): the moves of the weights to judge
@@ -261,6 +254,12 @@ class LocalFD:
                 )
         if not plan:
             return None
+        return self._probe(plan, one_sided_unpinned=False)
+
+    def _probe(self, plan: dict[int, local.Move], one_sided_unpinned: bool) -> local.LocalProbe:
+        """The probe of one run: its sets measured against their forward's held output where they are affine
+        in their moves and the held outputs fit in HOLD_SHARE of the copy (`local.LocalProbe`);
+        `one_sided_unpinned` off for a run of several micro-batches."""
         return local.LocalProbe(
             self.check.model,
             self.params,
@@ -268,7 +267,7 @@ class LocalFD:
             one_sided=True,
             declared=self.declared,
             hold_bytes=int(HOLD_SHARE * self.check.copy_bytes),
-            one_sided_unpinned=False,
+            one_sided_unpinned=one_sided_unpinned,
         )
 
     def _columns(self, members: list[int]) -> dict[int, tuple[int, int]]:
