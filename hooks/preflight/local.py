@@ -571,8 +571,11 @@ class LocalProbe:
             autocast = (device, True, torch.get_autocast_dtype(device))
         alone = [i for i, _ in planned if i not in self.escaped]
         held, held_bytes = None, 0
-        saves = len({self.plan[i].label or f"alone {i}" for i in alone})  # reruns a held output saves
-        if self.one_sided and alone and not zero_only and self._affine(module, alone, owned):
+        sets: dict[str, list[int]] = {}  # the call's measured weights by the set they move with
+        for i in alone:
+            sets.setdefault(self.plan[i].label or f"alone {i}", []).append(i)
+        saves = len(sets)  # reruns a held output saves (one per set)
+        if self.one_sided and alone and not zero_only and self._affine(module, sets, owned):
             size = _held_bytes(out)
             if self._make_room(size, saves):
                 held, held_bytes = (out, out._version), size
@@ -643,21 +646,20 @@ class LocalProbe:
         return True
 
     def _affine(
-        self, module: torch.nn.Module, alone: list[int], owned: list[tuple[str, torch.Tensor]]
+        self, module: torch.nn.Module, sets: dict[str, list[int]], owned: list[tuple[str, torch.Tensor]]
     ) -> bool:
-        """Each set of the call's weights that moves together (one label; an empty label: alone) changes its
+        """Each set of the call's weights that moves together (`sets`: by label; an empty label: alone) changes its
         output affinely, so a forward difference against the forward's own output is exact: a weight alone, or
         a known class's weights (not a declared one: vouched linear in each, not in all) that multiply nothing
         moved with them (`PRODUCTS`: the norm's and the linear weight's moves on complementary columns). A
         weight moved along a direction in every micro-batch of a run of several (`one_sided_unpinned` off) is
         not: the hold bound could leave a later call central after an earlier one was measured one-sided."""
         if not self.one_sided_unpinned and any(
-            self.plan[i].direction is not None and self.plan[i].only is None for i in alone
+            self.plan[i].direction is not None and self.plan[i].only is None
+            for members in sets.values()
+            for i in members
         ):
             return False
-        sets: dict[str, list[int]] = {}
-        for i in alone:
-            sets.setdefault(self.plan[i].label or f"alone {i}", []).append(i)
         if all(len(members) == 1 for members in sets.values()):
             return True
         kind = _probed(module, self.declared)
@@ -665,12 +667,11 @@ class LocalProbe:
             return False
         if kind[0] not in PRODUCTS:
             return True
-        names = {id(t): name for name, t in owned}
-        tensors = dict(zip((self.weights[id(t)] for _, t in owned), (t for _, t in owned), strict=True))
+        own = {self.weights[id(t)]: (name, t) for name, t in owned}  # entry index -> its name and tensor
         for members in sets.values():
-            if any(i not in tensors for i in members):
+            if any(i not in own for i in members):
                 return False
-            roles = {i: (product_role(names[id(tensors[i])], tensors[i]), tensors[i]) for i in members}
+            roles = {i: (product_role(*own[i]), own[i][1]) for i in members}
             columns = column_moves(roles)
             if any(roles[i][0] != "bias" and self.plan[i].columns != columns.get(i) for i in members):
                 return False
