@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from maingrad.hooks.preflight import local
+from maingrad.hooks.preflight.graphs import LossGraph
 from maingrad.hooks.preflight.local_fd import LocalFD
 from maingrad.hooks.preflight.loss_fd import LossFD
 from maingrad.hooks.preflight.measure import (
@@ -89,6 +90,7 @@ class Check:
         rng_states: Sequence[RngPair],
         module_fd: bool = True,
         module_fd_classes: tuple[type, ...] = (),
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.run_microbatch = run_microbatch
@@ -152,6 +154,7 @@ class Check:
         self.loss_unit = unit_roundoff(torch.float32)
         # (pyright reads this file also as `hooks.preflight.check`, the folder it lives in, where the parts
         # expect the installed name's `Check`: the same class)
+        self.graphs = LossGraph(self, cuda_graphs)  # pyright: ignore[reportArgumentType]
         self.loss_fd = LossFD(self)  # pyright: ignore[reportArgumentType]
         self.local_fd = LocalFD(self, module_fd, module_fd_classes)  # pyright: ignore[reportArgumentType]
 
@@ -489,15 +492,26 @@ class Check:
         return self.host()
 
     # -- loss evaluations (the finite differences': `loss_fd.py`) --------------------------------------------
-    def loss(self, batch: Any) -> torch.Tensor:
+    def _before_loss(self) -> None:
+        """What every loss forward starts from: the buffers as the call found them, a new step's flags (the
+        weights moved: a new step's FP8 cast) and the saved random state."""
         self.buffers.restore(aliased=False)
-        self.step_start.begin()  # the weights moved: a new step's FP8 cast
+        self.step_start.begin()
+        self.rng.apply()
+
+    def _loss_forward(self, batch: Any) -> Any:  # noqa: ANN401 - the caller's loss_fn returns what it returns
+        assert self.loss_fn is not None
+        with torch.no_grad():
+            return self.loss_fn(self.model, batch)
+
+    def loss(self, batch: Any) -> torch.Tensor:
         if self.loss_fn is not None:
-            self.rng.apply()
             self.forwards += 1
-            with torch.no_grad():
-                loss = self.loss_fn(self.model, batch)
+            # (the first micro-batch's, after its first evaluation: replayed from a CUDA graph, `graphs.py`)
+            loss = self.graphs.loss(batch, self._before_loss, self._loss_forward)
         else:
+            self.buffers.restore(aliased=False)
+            self.step_start.begin()  # the weights moved: a new step's FP8 cast
             self._prepare()
             self._zero()
             loss = self._microbatch(batch)

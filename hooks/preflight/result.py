@@ -255,7 +255,9 @@ class PreflightResult:
         cost = self.cost
         lines.append(
             f"  cost: {self.microbatches} micro-batches; {cost.get('microbatch_passes', 0)} forward+backward "
-            f"passes, {cost.get('forward_passes', 0)} forward passes, {cost.get('seconds', 0.0):.2f} s"
+            f"passes, {cost.get('forward_passes', 0)} forward passes"
+            + (f" ({cost['loss_replays']} replayed from a CUDA graph)" if cost.get("loss_replays") else "")
+            + f", {cost.get('seconds', 0.0):.2f} s"
         )
         rows = self.summary_rows()
         bad = [row for row in rows if row["verdict"] not in (OK, UNUSED)]

@@ -31,7 +31,10 @@ from 1 by more than its error bar is bisected (one half evaluated, the other inf
 linearity of the derivative) down to the parameters responsible; parameters whose reported gradient is zero
 are probed along a random direction in their own subspace (bisected the same way where the loss moves). Cost:
 2 loss forwards for the noise + 4 for the combined probe of all groups, + 2 per further step, + 4 per
-bisection split.
+bisection split. On a CUDA device the first micro-batch's loss forward is captured as a CUDA graph after its
+first evaluation and replayed for the probe's later ones, where the model allows it (`graphs.py`: a forward
+that does not synchronise with the host, under a wrapper that keeps its parameters in place, without FP8, and
+whose replay gives the eager loss bit for bit); `cuda_graphs=False` keeps every forward eager.
 
 Module-local finite differences (`local_fd.py`, `local.py`; module_fd=True): the weights of Linear-like
 modules are judged on their own module's output, rerun inside the backward of the second micro-batch's single
@@ -91,6 +94,7 @@ def preflight(
     fd_rtol: float | None = None,
     module_fd: bool = True,
     module_fd_classes: Sequence[type[torch.nn.Module]] = (),
+    cuda_graphs: bool = True,
     rtol: float | None = None,
     max_microbatches: int = MAX_MICROBATCHES,
     rng_states: Sequence[RngPair] = (),
@@ -119,7 +123,9 @@ def preflight(
     module_fd_classes: your own module classes judged that way too (a fork's norm-and-linear module): each
     must compute its output from its inputs and its own parameters only, affine in each parameter or a
     product of two of them, with no randomness and nothing written (it is rerun inside the backward).
-    rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state) pairs to
+    cuda_graphs: replay the first micro-batch's loss forward from a CUDA graph after its first evaluation,
+    where the model allows it (`graphs.py`: checked bit for bit against the eager forward; the result's
+    cost["loss_graph"] says whether it did, or why not). rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state) pairs to
     reset before every micro-batch. sinks, run, rank, commit: as for install(); label: a name.
     Returns a PreflightResult; it never raises for what the model does (an exception from the micro-batch is
     the result's `error`), only for bad arguments.
@@ -185,6 +191,7 @@ def preflight(
         fd_rtol=fd_rtol,
         module_fd=module_fd,
         module_fd_classes=declared,
+        cuda_graphs=cuda_graphs,
         rtol=rtol,
         rng_states=rng_states,
     )
@@ -228,12 +235,14 @@ def _execute(check: Check) -> PreflightResult:
         check.plan_loss_level()
         if check.finite_differences and not check.late:
             check.loss_fd.probe_first()
+            check.graphs.release()  # (its memory pool before the runs that follow)
             lap("finite_differences")
         for k in range(1, len(check.batches)):
             check.single(k)
             lap("runs")
             if k == 1 and check.late:
                 check.loss_fd.probe_first(check.fd_first, check.fd_anchors)
+                check.graphs.release()
                 check.upstream()
                 lap("finite_differences")
         if check.finite_differences:
@@ -255,6 +264,7 @@ def _execute(check: Check) -> PreflightResult:
         tb = traceback.format_exc(limit=12)
     finally:
         check.copy = []
+        check.graphs.release()
         if check.uninstalled:  # interrupted between a restore and its install
             try:
                 check.commit()
@@ -304,6 +314,9 @@ def _execute(check: Check) -> PreflightResult:
         # screened calls whose forward output was held for a one-sided rerun; those the bound on held bytes left central
         "module_outputs_held": check.local_fd.held_calls,
         "module_outputs_not_held": check.local_fd.unheld_calls,
+        # loss forwards of the first micro-batch replayed from a CUDA graph (graphs.py), and why none were
+        "loss_replays": check.graphs.replays,
+        "loss_graph": check.graphs.summary(),
         "copy_bytes": check.copy_bytes,
         "seconds_by_part": {k: round(v, 4) for k, v in timings.items()},
     }

@@ -402,6 +402,13 @@ def test_host_syncs_and_cost() -> None:
     blamed = next(g for g in failing.groups if g.verdict == "scaled")
     assert len(blamed.levels) == 4 and blamed.step == min(s for s, _, _ in blamed.levels)
     assert set(failing.cost["seconds_by_part"]) == {"runs", "finite_differences", "comparison"}
+    # on the CPU no loss forward is replayed from a CUDA graph, and the cost says why
+    # (tests/gpu/test_preflight_graphs_gpu.py: the replays on a GPU)
+    assert (
+        passing.cost["loss_replays"] == 0
+        and passing.cost["loss_graph"] == "loss forwards eager: no CUDA device"
+    )
+    assert "replayed" not in passing.table()
 
 
 def test_weights_that_cannot_be_flattened_move_in_their_own_shape() -> None:
