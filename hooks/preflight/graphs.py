@@ -13,8 +13,9 @@ What a replay rests on, and how each is checked before one is used:
   the weights again at each step's first micro-batch, by host-side flags);
 - nothing in the forward waits for the device. A host sync cannot be captured, and host-side control flow on
   device values would be frozen into the graph. The first evaluation runs eagerly with torch's sync debug
-  mode at "warn" (recorded, not raised: the forward runs as always); a forward that synchronises is never
-  captured (megatron-core's MoE token dispatcher copies token counts to the host);
+  mode at "warn" (recorded, not raised: the forward runs as always); a forward that synchronises where the
+  mode sees it (a host read such as `.item()`) is never captured. A sync the mode does not report fails the
+  capture (megatron-core's MoE token dispatcher synchronises its stream: `_maybe_dtoh_and_synchronize`);
 - a replay computes what the eager forward computes. Right after the first eager evaluation the forward is
   captured and replayed from the same weights, buffers and random state; its loss must equal the eager one
   bit for bit, else the graph is dropped.

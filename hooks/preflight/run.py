@@ -125,7 +125,8 @@ def preflight(
     product of two of them, with no randomness and nothing written (it is rerun inside the backward).
     cuda_graphs: replay the first micro-batch's loss forward from a CUDA graph after its first evaluation,
     where the model allows it (`graphs.py`: checked bit for bit against the eager forward; the result's
-    cost["loss_graph"] says whether it did, or why not). rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state) pairs to
+    cost["loss_graph"] says whether it did, or why not).
+    rtol: linearity tolerance (default from the dtypes). rng_states: extra (get_state, set_state) pairs to
     reset before every micro-batch. sinks, run, rank, commit: as for install(); label: a name.
     Returns a PreflightResult; it never raises for what the model does (an exception from the micro-batch is
     the result's `error`), only for bad arguments.

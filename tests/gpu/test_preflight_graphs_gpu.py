@@ -3,9 +3,9 @@
     PYTHONPATH=/tmp/mg python3 -m pytest tests/gpu/test_preflight_graphs_gpu.py -v
 
 Plain torch models on the GPU: a call that replays gives every number a call without graphs gives (a replay is
-the eager forward bit for bit, checked before it is used); a forward that synchronises with the host is never
-captured; a capture that fails leaves the device's random generator usable; the injected bugs are named the
-same way with and without graphs.
+the eager forward bit for bit, checked before it is used); a forward that reads a device value on the host is
+never captured; a capture that fails leaves the call eager and the device's random generator usable; an
+injected bug is named the same way with and without graphs; no graph outlives the probe.
 """
 
 from __future__ import annotations
