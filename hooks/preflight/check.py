@@ -492,11 +492,15 @@ class Check:
         return self.host()
 
     # -- loss evaluations (the finite differences': `loss_fd.py`) --------------------------------------------
-    def _before_loss(self) -> None:
-        """What every loss forward starts from: the buffers as the call found them, a new step's flags (the
-        weights moved: a new step's FP8 cast) and the saved random state."""
+    def _new_step(self) -> None:
+        """Before a loss evaluation: the buffers as the call found them and a new step's flags (the weights
+        moved: a new step's FP8 cast)."""
         self.buffers.restore(aliased=False)
         self.step_start.begin()
+
+    def _before_loss(self) -> None:
+        """What every forward of `loss_fn` starts from: `_new_step` and the saved random state."""
+        self._new_step()
         self.rng.apply()
 
     def _loss_forward(self, batch: Any) -> Any:  # noqa: ANN401 - the caller's loss_fn returns what it returns
@@ -510,8 +514,7 @@ class Check:
             # (the first micro-batch's, after its first evaluation: replayed from a CUDA graph, `graphs.py`)
             loss = self.graphs.loss(batch, self._before_loss, self._loss_forward)
         else:
-            self.buffers.restore(aliased=False)
-            self.step_start.begin()  # the weights moved: a new step's FP8 cast
+            self._new_step()  # (the micro-batch sets the random state itself)
             self._prepare()
             self._zero()
             loss = self._microbatch(batch)

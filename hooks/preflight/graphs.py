@@ -120,25 +120,15 @@ class LossGraph:
     ) -> None:
         """Capture the forward from the state the eager one started from, replay it once and keep it where its
         loss is the eager loss bit for bit (one host transfer)."""
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        before()
-        stream.wait_stream(torch.cuda.current_stream())  # (the buffers restored on the current stream)
+        before()  # (its buffers restored on the current stream, which the capture's stream waits for)
+        graph: Any = None
         out: Any = None
         failure: BaseException | None = None
         try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    out = forward(batch)
-                finally:
-                    graph.capture_end()
+            graph, out = _captured(lambda: forward(batch))
         except BaseException as exc:  # noqa: BLE001 - reported as the reason, re-raised below if not an Exception
             failure = exc
-        finally:
-            torch.cuda.current_stream().wait_stream(stream)
         if failure is not None:
-            del graph
             _heal()
             self._off(f"the loss forward could not be captured ({type(failure).__name__})")
             if not isinstance(failure, Exception):
@@ -176,17 +166,30 @@ def _watching_syncs(run: Callable[[], Any]) -> tuple[Any, bool]:
     return result, synced
 
 
+def _captured(run: Callable[[], Any]) -> tuple[Any, Any]:
+    """run() captured as a CUDA graph on a stream of its own that waits for the current one (which waits for
+    it again, whatever happens): (the graph, run()'s result). Other threads' CUDA calls do not break the capture
+    (`thread_local`); one that fails raises from here."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                out = run()
+            finally:
+                graph.capture_end()
+    except BaseException:
+        del graph  # (a failed capture's graph and memory pool go first: its traceback keeps this frame)
+        raise
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
+
+
 def _heal() -> None:
     """A capture of one operation: its begin and end set the capture mark of torch's CUDA generators again,
     which a capture that failed between them leaves set (every later random draw on the device would raise
     "Offset increment outside graph capture")."""
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            torch.zeros(1, device="cuda").add_(1)
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
+    _captured(lambda: torch.zeros(1, device="cuda").add_(1))

@@ -573,7 +573,7 @@ class LocalProbe:
         held, held_bytes = None, 0
         sets: dict[str, list[int]] = {}  # the call's measured weights by the set they move with
         for i in alone:
-            sets.setdefault(self.plan[i].label or f"alone {i}", []).append(i)
+            sets.setdefault(self._set_of(i), []).append(i)
         saves = len(sets)  # reruns a held output saves (one per set)
         if self.one_sided and alone and not zero_only and self._affine(module, sets, owned):
             size = _held_bytes(out)
@@ -613,6 +613,12 @@ class LocalProbe:
         out.register_hook(self._on_grad(call))
         for k in siblings:
             cast(torch.Tensor, outputs[k]).register_hook(self._on_grad(call, k))
+
+    def _set_of(self, i: int) -> str:
+        """The set weight i moves with in its call: its plan's label, or its own where the label is empty. The
+        forward (which outputs to hold, for how many reruns) and the gradient (what each rerun moves) group a
+        call's weights by it."""
+        return self.plan[i].label or f"alone {i}"
 
     def _make_room(self, size: int, saves: int) -> bool:
         """Whether an output of `size` bytes whose hold saves `saves` reruns is held: where it does not fit in
@@ -734,8 +740,7 @@ class LocalProbe:
         for i, t in call.accounted:
             if i in self.escaped:  # its other use is not measured here: it stays where it is
                 continue
-            label = self.plan[i].label
-            sets.setdefault(label or f"alone {i}", []).append((i, t))
+            sets.setdefault(self._set_of(i), []).append((i, t))
         for members in sets.values():
             key = tuple(sorted(i for i, _ in members))
             held = call.held

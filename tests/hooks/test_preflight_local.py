@@ -402,6 +402,14 @@ def test_the_reruns_leave_the_backward_unchanged() -> None:
             assert torch.equal(p.grad, plain[n]), (dtype, n)
 
 
+def _backward(probe: LocalProbe, model: nn.Module, x: torch.Tensor) -> None:
+    """One backward of `model` on `x` (the loss: the sum of its output's squares), watched by `probe` as the
+    run's micro-batch 0."""
+    with probe.watching():
+        probe.current = 0
+        model(x).pow(2).sum().backward()
+
+
 class _Chain(nn.Module):
     """Bias-free Linears in a chain: each weight is its call's only weight (measured against the call's own
     output); `in_place`: the first output is then written in place (relu_), so it is no longer what the
@@ -436,9 +444,7 @@ def test_a_weight_alone_is_measured_against_its_own_output_unless_it_was_overwri
         }
         starts = {i: w.detach().clone() for i, w in weights.items()}
         probe = LocalProbe(model, weights, plan, one_sided=True)
-        with probe.watching():
-            probe.current = 0
-            model(x).pow(2).sum().backward()
+        _backward(probe, model, x)
         assert probe.reruns == (3 if in_place else 2)
         for i, w in weights.items():
             sums = probe.sums[(i,)]
@@ -500,9 +506,7 @@ def test_a_set_affine_in_its_moves_is_measured_once_against_its_own_output(maske
             plan[i].columns = columns if masked else None
     starts = {i: w.detach().clone() for i, w in weights.items()}
     probe = LocalProbe(model, weights, plan, one_sided=True)
-    with probe.watching():
-        probe.current = 0
-        model(x).pow(2).sum().backward()
+    _backward(probe, model, x)
     assert probe.reruns == (3 if masked else 5)
     for prefix in ("a.", "b.", "c."):
         key = tuple(sorted(i for n, i in index.items() if n.startswith(prefix)))
@@ -597,9 +601,7 @@ def test_held_outputs_stay_within_their_bound(outputs: int | None, twice: bool) 
     }
     starts = {i: w.detach().clone() for i, w in weights.items()}
     probe = _Bounded(model, weights, plan, one_sided=True, hold_bytes=bound)
-    with probe.watching():
-        probe.current = 0
-        model(x).pow(2).sum().backward()
+    _backward(probe, model, x)
     calls = 3 if twice else 2
     assert probe.held_calls + probe.unheld_calls == calls
     assert probe.holding == 0  # every held output released
